@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Installs everything the shim and its tests need on a fresh Debian 12 machine:
+# distribution packages, CRIU >= 4.1 built from Debian trixie's source tarball,
+# and containerd 1.7 (trixie) / 2.1 (sid) unpacked privately (never installed:
+# they would pull a newer libc). Idempotent: reuses what is already present.
+set -euo pipefail
+
+DEPS_DIR=${CEDANA_DEPS_DIR:-/opt/cedana-deps}
+mkdir -p "$DEPS_DIR"
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+APT_PACKAGES=(
+  containerd runc umoci skopeo busybox-static containernetworking-plugins
+  iproute2 iptables util-linux e2fsprogs zstd docker-registry
+  golang-github-containerd-containerd-dev
+  golang-github-gogo-protobuf-dev golang-github-containerd-cgroups-dev
+  golang-google-protobuf-dev
+  libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler
+  python3-protobuf libnl-3-dev libnl-route-3-dev libnet1-dev libcap-dev pkg-config
+  libbsd-dev libgnutls28-dev libaio-dev libdrm-dev uuid-dev libnftables-dev
+  build-essential dpkg-dev
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  log "apt-get install ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # The distribution's containerd service must not own /run/containerd in tests.
+  systemctl disable --now containerd >/dev/null 2>&1 || true
+fi
+
+# Extra suites for trixie/sid, derived from the system sources file at run time,
+# pinned low so nothing upgrades by accident.
+add_suite() {
+  local suite=$1 file=/etc/apt/sources.list.d/cedana-$1.sources
+  [[ -f $file ]] && return 1
+  awk -v s="$suite" 'BEGIN{RS="";ORS="\n\n"} NR==1{print}' /etc/apt/sources.list.d/debian.sources \
+    | sed -E "s/^Suites:.*/Suites: $suite/; s/^Types:.*/Types: deb deb-src/" >"$file"
+  printf 'Package: *\nPin: release n=%s\nPin-Priority: 100\n' "$suite" >/etc/apt/preferences.d/cedana-$suite
+  return 0
+}
+
+need_update=0
+if [[ ! -x $DEPS_DIR/containerd-1.7/usr/bin/containerd || ! -x $DEPS_DIR/containerd-2.1/usr/bin/containerd \
+      || ! -d $DEPS_DIR/cri-api/usr || ! -x /usr/local/sbin/criu ]]; then
+  add_suite trixie && need_update=1 || true
+  add_suite sid && need_update=1 || true
+  ((need_update)) && apt-get update -qq || true
+fi
+
+unpack_deb() {  # suite package dest: unpack a .deb privately, never install it
+  local suite=$1 pkg=$2 dest=$3
+  [[ -d $dest/usr ]] && return
+  log "$pkg from $suite -> $dest"
+  local tmp; tmp=$(mktemp -d)
+  (cd "$tmp" && apt-get download -qq -t "$suite" "$pkg" >/dev/null)
+  mkdir -p "$dest"
+  dpkg -x "$tmp"/"$pkg"_*.deb "$dest"
+  rm -rf "$tmp"
+}
+unpack_deb trixie golang-github-kubernetes-cri-api-dev "$DEPS_DIR/cri-api"
+unpack_deb trixie containerd "$DEPS_DIR/containerd-1.7"
+unpack_deb sid containerd "$DEPS_DIR/containerd-2.1"
+
+criu_ok() { [[ -x /usr/local/sbin/criu ]] && /usr/local/sbin/criu --version 2>/dev/null | grep -qE 'Version: (4\.[1-9]|[5-9])'; }
+if ! criu_ok; then
+  log "building CRIU from trixie's source tarball"
+  src=$DEPS_DIR/criu-src
+  mkdir -p "$src"
+  (cd "$src" && { ls criu_*.orig.tar.* >/dev/null 2>&1 || apt-get source --download-only -t trixie criu >/dev/null 2>&1 || true; })
+  tarball=$(ls "$src"/criu_*.orig.tar.* | head -n1)
+  rm -rf "$src/build" && mkdir -p "$src/build"
+  tar -xf "$tarball" -C "$src/build" --strip-components=1
+  make -C "$src/build" -j"$(nproc)" criu >/dev/null 2>&1
+  install -m 0755 "$src/build/criu/criu" /usr/local/sbin/criu
+fi
+criu_ok || { log "CRIU >= 4.1 missing after build"; exit 1; }
+log "ready: containerd $(containerd --version | awk '{print $3}'), $("$DEPS_DIR"/containerd-1.7/usr/bin/containerd --version | awk '{print $3}'), $("$DEPS_DIR"/containerd-2.1/usr/bin/containerd --version | awk '{print $3}'); runc $(runc --version | head -1 | awk '{print $3}'); $(/usr/local/sbin/criu --version | head -1)"

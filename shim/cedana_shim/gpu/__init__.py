@@ -1,0 +1,1 @@
+"""gpu layer (see ../shared/DESIGN.md)."""

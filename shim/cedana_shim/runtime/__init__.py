@@ -1,0 +1,1 @@
+"""Everything that touches the host: the runc driver, the reaper, mounts."""

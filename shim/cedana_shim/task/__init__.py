@@ -1,0 +1,1 @@
+"""task layer (see ../shared/DESIGN.md)."""

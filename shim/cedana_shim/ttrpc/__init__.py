@@ -1,0 +1,1 @@
+"""ttrpc layer (see ../shared/DESIGN.md)."""
