@@ -2,7 +2,8 @@
 """Generate cedana_shim.api from the upstream .proto files.
 
 Sources are the official interface definitions shipped by Debian
-(golang-github-containerd-containerd-dev, golang-github-containerd-cgroups-dev,
+(golang-github-containerd-containerd-dev 1.7 from trixie, whose protos are a
+superset of 1.6's; golang-github-containerd-cgroups-dev; and
 golang-github-kubernetes-cri-api-dev) plus the few schemas under protos/local
 that no Debian package carries. Each file is staged under
 cedana_shim/api/<name>.proto with two mechanical rewrites:
@@ -32,7 +33,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 OUT_PACKAGE = REPO / "shim" / "cedana_shim" / "api"
 DEPS_DIR = Path(os.environ.get("CEDANA_DEPS_DIR", "/opt/cedana-deps"))
-GOCODE_ROOTS = [Path("/usr/share/gocode/src"), DEPS_DIR / "cri-api/usr/share/gocode/src"]
+GOCODE_ROOTS = [
+    DEPS_DIR / "containerd-api/usr/share/gocode/src",
+    DEPS_DIR / "cri-api/usr/share/gocode/src",
+    Path("/usr/share/gocode/src"),
+]
 LOCAL = REPO / "protos" / "local"
 
 CTRD = "github.com/containerd/containerd"
@@ -40,7 +45,7 @@ CTRD = "github.com/containerd/containerd"
 SOURCES: dict[str, str] = {
     f"{CTRD}/api/types/mount.proto": "containerd/types/mount.proto",
     f"{CTRD}/api/types/task/task.proto": "containerd/types/task.proto",
-    f"{CTRD}/runtime/v2/task/shim.proto": "containerd/task/v2/shim.proto",
+    f"{CTRD}/api/runtime/task/v2/shim.proto": "containerd/task/v2/shim.proto",
     f"{CTRD}/api/events/task.proto": "containerd/events/task.proto",
     f"{CTRD}/api/services/ttrpc/events/v1/events.proto": "containerd/services/ttrpc_events.proto",
     f"{CTRD}/runtime/v2/runc/options/oci.proto": "containerd/runc/options.proto",
@@ -58,7 +63,9 @@ GRPC_SERVICES = {"cri/v1/api.proto"}  # gRPC stubs only where we call gRPC (test
 STAGE_PREFIX = "cedana_shim/api/"
 
 GOGO_IMPORT = re.compile(r'^\s*import\s+(weak\s+)?"[^"]*(gogo\.proto|fieldpath\.proto)";\s*\n', re.M)
-GOGO_FILE_OPTION = re.compile(r"^\s*option\s+\((gogoproto|containerd\.plugin)\.[^;]*;\s*\n", re.M)
+GOGO_FILE_OPTION = re.compile(
+    r"^\s*option\s+\((gogoproto|containerd\.plugin|containerd\.types)\.[^;]*;\s*\n", re.M
+)
 FIELD_OPTIONS = re.compile(r"\s*\[([^\[\]]*)\]")
 IMPORT = re.compile(r'^(\s*import\s+(?:public\s+)?)"([^"]+)";', re.M)
 

@@ -12,9 +12,7 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 APT_PACKAGES=(
   containerd runc umoci skopeo busybox-static containernetworking-plugins
   iproute2 iptables util-linux e2fsprogs zstd docker-registry
-  golang-github-containerd-containerd-dev
-  golang-github-gogo-protobuf-dev golang-github-containerd-cgroups-dev
-  golang-google-protobuf-dev
+  golang-github-containerd-cgroups-dev
   libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler
   python3-protobuf libnl-3-dev libnl-route-3-dev libnet1-dev libcap-dev pkg-config
   libbsd-dev libgnutls28-dev libaio-dev libdrm-dev uuid-dev libnftables-dev
@@ -46,7 +44,7 @@ add_suite() {
 
 need_update=0
 if [[ ! -x $DEPS_DIR/containerd-1.7/usr/bin/containerd || ! -x $DEPS_DIR/containerd-2.1/usr/bin/containerd \
-      || ! -d $DEPS_DIR/cri-api/usr || ! -x /usr/local/sbin/criu ]]; then
+      || ! -d $DEPS_DIR/cri-api/usr || ! -d $DEPS_DIR/containerd-api/usr || ! -x /usr/local/sbin/criu ]]; then
   add_suite trixie && need_update=1 || true
   add_suite sid && need_update=1 || true
   ((need_update)) && apt-get update -qq || true
@@ -62,6 +60,9 @@ unpack_deb() {  # suite package dest: unpack a .deb privately, never install it
   dpkg -x "$tmp"/"$pkg"_*.deb "$dest"
   rm -rf "$tmp"
 }
+# Interface definitions for scripts/gen_protos.py: containerd 1.7's protos (a
+# superset of 1.6's, with runtimeoptions config_body) and CRI's api.proto.
+unpack_deb trixie golang-github-containerd-containerd-dev "$DEPS_DIR/containerd-api"
 unpack_deb trixie golang-github-kubernetes-cri-api-dev "$DEPS_DIR/cri-api"
 unpack_deb trixie containerd "$DEPS_DIR/containerd-1.7"
 unpack_deb sid containerd "$DEPS_DIR/containerd-2.1"

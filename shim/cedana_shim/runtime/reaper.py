@@ -59,7 +59,7 @@ class Child:
     """A process started through the reaper; await :meth:`wait` for its exit."""
 
     pid: int
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | None  # None for a pid handed in through track()
     exited: asyncio.Future[Exit]
 
     async def wait(self) -> Exit:
@@ -131,6 +131,16 @@ class Reaper:
         self._children[popen.pid] = child
         return child
 
+    def track(self, pid: int) -> Child:
+        """Take over a child started by other means (``os.posix_spawn``).
+
+        Call it on the loop thread right after the spawn, before awaiting
+        anything, so the exit cannot be reaped unclaimed in between.
+        """
+        child = Child(pid, None, self._loop.create_future())
+        self._children[pid] = child
+        return child
+
     def subscribe(self, callback: Callable[[Exit], None]) -> Callable[[], None]:
         """Call ``callback`` for every exit not of a spawned child; returns an unsubscribe."""
         self._subscribers.append(callback)
@@ -159,8 +169,9 @@ class Reaper:
     def _deliver(self, ex: Exit) -> None:
         child = self._children.pop(ex.pid, None)
         if child is not None:
-            # Popen must never wait for (and so never steal) this pid itself.
-            child.popen.returncode = ex.status
+            if child.popen is not None:
+                # Popen must never wait for (and so never steal) this pid itself.
+                child.popen.returncode = ex.status
             if not child.exited.done():
                 child.exited.set_result(ex)
             return

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/cedana_shim/api/containerd/runtimeoptions.proto\x12\x11runtimeoptions.v1\"0\n\x07Options\x12\x10\n\x08type_url\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_path\x18\x02 \x01(\tBJZHgithub.com/containerd/containerd/pkg/runtimeoptions/v1;runtimeoptions_v1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/cedana_shim/api/containerd/runtimeoptions.proto\x12\x11runtimeoptions.v1\"E\n\x07Options\x12\x10\n\x08type_url\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_path\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_body\x18\x03 \x01(\x0c\x42JZHgithub.com/containerd/containerd/pkg/runtimeoptions/v1;runtimeoptions_v1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,5 +33,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'ZHgithub.com/containerd/containerd/pkg/runtimeoptions/v1;runtimeoptions_v1'
   _globals['_OPTIONS']._serialized_start=70
-  _globals['_OPTIONS']._serialized_end=118
+  _globals['_OPTIONS']._serialized_end=139
 # @@protoc_insertion_point(module_scope)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-cedana_shim/api/containerd/runc/options.proto\x12\x12\x63ontainerd.runc.v1\"\xec\x01\n\x07Options\x12\x15\n\rno_pivot_root\x18\x01 \x01(\x08\x12\x16\n\x0eno_new_keyring\x18\x02 \x01(\x08\x12\x13\n\x0bshim_cgroup\x18\x03 \x01(\t\x12\x0e\n\x06io_uid\x18\x04 \x01(\r\x12\x0e\n\x06io_gid\x18\x05 \x01(\r\x12\x13\n\x0b\x62inary_name\x18\x06 \x01(\t\x12\x0c\n\x04root\x18\x07 \x01(\t\x12\x11\n\tcriu_path\x18\x08 \x01(\t\x12\x16\n\x0esystemd_cgroup\x18\t \x01(\x08\x12\x17\n\x0f\x63riu_image_path\x18\n \x01(\t\x12\x16\n\x0e\x63riu_work_path\x18\x0b \x01(\t\"\xcf\x01\n\x11\x43heckpointOptions\x12\x0c\n\x04\x65xit\x18\x01 \x01(\x08\x12\x10\n\x08open_tcp\x18\x02 \x01(\x08\x12\x1d\n\x15\x65xternal_unix_sockets\x18\x03 \x01(\x08\x12\x10\n\x08terminal\x18\x04 \x01(\x08\x12\x12\n\nfile_locks\x18\x05 \x01(\x08\x12\x18\n\x10\x65mpty_namespaces\x18\x06 \x03(\t\x12\x14\n\x0c\x63groups_mode\x18\x07 \x01(\t\x12\x12\n\nimage_path\x18\x08 \x01(\t\x12\x11\n\twork_path\x18\t \x01(\t\"!\n\x0eProcessDetails\x12\x0f\n\x07\x65xec_id\x18\x01 \x01(\tBBZ@github.com/containerd/containerd/runtime/v2/runc/options;optionsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-cedana_shim/api/containerd/runc/options.proto\x12\x12\x63ontainerd.runc.v1\"\xf0\x01\n\x07Options\x12\x15\n\rno_pivot_root\x18\x01 \x01(\x08\x12\x16\n\x0eno_new_keyring\x18\x02 \x01(\x08\x12\x13\n\x0bshim_cgroup\x18\x03 \x01(\t\x12\x0e\n\x06io_uid\x18\x04 \x01(\r\x12\x0e\n\x06io_gid\x18\x05 \x01(\r\x12\x13\n\x0b\x62inary_name\x18\x06 \x01(\t\x12\x0c\n\x04root\x18\x07 \x01(\t\x12\x15\n\tcriu_path\x18\x08 \x01(\tB\x02\x18\x01\x12\x16\n\x0esystemd_cgroup\x18\t \x01(\x08\x12\x17\n\x0f\x63riu_image_path\x18\n \x01(\t\x12\x16\n\x0e\x63riu_work_path\x18\x0b \x01(\t\"\xcf\x01\n\x11\x43heckpointOptions\x12\x0c\n\x04\x65xit\x18\x01 \x01(\x08\x12\x10\n\x08open_tcp\x18\x02 \x01(\x08\x12\x1d\n\x15\x65xternal_unix_sockets\x18\x03 \x01(\x08\x12\x10\n\x08terminal\x18\x04 \x01(\x08\x12\x12\n\nfile_locks\x18\x05 \x01(\x08\x12\x18\n\x10\x65mpty_namespaces\x18\x06 \x03(\t\x12\x14\n\x0c\x63groups_mode\x18\x07 \x01(\t\x12\x12\n\nimage_path\x18\x08 \x01(\t\x12\x11\n\twork_path\x18\t \x01(\t\"!\n\x0eProcessDetails\x12\x0f\n\x07\x65xec_id\x18\x01 \x01(\tBBZ@github.com/containerd/containerd/runtime/v2/runc/options;optionsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,10 +32,12 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cedana_shim.api.containerd.
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z@github.com/containerd/containerd/runtime/v2/runc/options;options'
+  _globals['_OPTIONS'].fields_by_name['criu_path']._loaded_options = None
+  _globals['_OPTIONS'].fields_by_name['criu_path']._serialized_options = b'\030\001'
   _globals['_OPTIONS']._serialized_start=70
-  _globals['_OPTIONS']._serialized_end=306
-  _globals['_CHECKPOINTOPTIONS']._serialized_start=309
-  _globals['_CHECKPOINTOPTIONS']._serialized_end=516
-  _globals['_PROCESSDETAILS']._serialized_start=518
-  _globals['_PROCESSDETAILS']._serialized_end=551
+  _globals['_OPTIONS']._serialized_end=310
+  _globals['_CHECKPOINTOPTIONS']._serialized_start=313
+  _globals['_CHECKPOINTOPTIONS']._serialized_end=520
+  _globals['_PROCESSDETAILS']._serialized_start=522
+  _globals['_PROCESSDETAILS']._serialized_end=555
 # @@protoc_insertion_point(module_scope)

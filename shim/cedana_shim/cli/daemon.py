@@ -1,0 +1,109 @@
+"""The shim daemon: serves containerd.task.v2.Task on the socket from ``start``.
+
+Everything it needs is imported at module level on purpose: the warm fork
+server imports this module once and every forked daemon starts with it loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+
+from .. import log as shim_log
+from ..runtime.reaper import Reaper, set_child_subreaper
+from ..task.events import Publisher
+from ..task.oom import OomWatcher
+from ..task.options import decode_start_stdin, parse_runtime_options
+from ..task.service import SERVICE_NAME, TaskService
+from ..ttrpc.server import Server
+from .args import ShimArgs
+
+log = logging.getLogger(__name__)
+
+LISTENER_FD = 3
+SHUTDOWN_GRACE = 2.0
+
+
+def run_daemon(args: ShimArgs, start_stdin: bytes) -> int:
+    return asyncio.run(_serve(args, start_stdin))
+
+
+def _listener(args: ShimArgs) -> socket.socket:
+    if args.socket:  # started by hand: bind the socket ourselves
+        path = args.socket.removeprefix("unix://")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(socket.SOMAXCONN)
+        return sock
+    return socket.socket(fileno=LISTENER_FD)
+
+
+def _join_shim_cgroup(path: str) -> None:
+    """Honour runc Options.shim_cgroup: move this daemon into that cgroup."""
+    pid = str(os.getpid())
+    root = "/sys/fs/cgroup"
+    if os.path.exists(os.path.join(root, "cgroup.controllers")):
+        targets = [os.path.join(root, path.lstrip("/"), "cgroup.procs")]
+    else:
+        targets = [
+            os.path.join(root, controller, path.lstrip("/"), "cgroup.procs")
+            for controller in os.listdir(root)
+        ]
+    for target in targets:
+        try:
+            with open(target, "w") as f:
+                f.write(pid)
+        except OSError as err:
+            log.warning("cannot join shim cgroup", extra={"cgroup": target, "error": str(err)})
+
+
+async def _serve(args: ShimArgs, start_stdin: bytes) -> int:
+    log_fd = shim_log.open_log_fifo(os.getcwd())
+    if log_fd is not None:
+        os.dup2(log_fd, 2)  # a stray traceback lands in containerd's log too
+    shim_log.configure(log_fd, debug=args.debug, static={"namespace": args.namespace})
+    set_child_subreaper()
+    loop = asyncio.get_running_loop()
+    reaper = Reaper(loop)
+    reaper.install()
+    try:
+        options = parse_runtime_options(decode_start_stdin(start_stdin, args.id))
+        if options.shim_cgroup:
+            _join_shim_cgroup(options.shim_cgroup)
+    except Exception as err:
+        log.warning("ignoring start options", extra={"error": str(err)})
+
+    ttrpc_address = os.environ.get("TTRPC_ADDRESS") or f"{args.address}.ttrpc"
+    publisher = Publisher(ttrpc_address, args.namespace)
+    publisher.start()
+    stop = asyncio.Event()
+    async with OomWatcher(lambda container_id: service.publish_oom(container_id)) as oom:
+        service = TaskService(
+            args.namespace, publisher, reaper, debug=args.debug, oom=oom, on_shutdown=stop.set
+        )
+        server = Server({SERVICE_NAME: service.methods()})
+        listener = _listener(args)
+        socket_path = listener.getsockname()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        serving = loop.create_task(server.serve_socket(listener))
+        log.info("shim started", extra={"pid": os.getpid(), "socket": socket_path})
+        await stop.wait()
+        server.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(server.wait_closed(), SHUTDOWN_GRACE)
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+    if isinstance(socket_path, str) and socket_path:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket_path)
+    await publisher.close()
+    reaper.close()
+    log.info("shim exiting", extra={"pid": os.getpid()})
+    return 0

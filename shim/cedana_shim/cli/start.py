@@ -1,0 +1,160 @@
+"""``containerd-shim-cedana-v2 start``: find or start the daemon for a pod.
+
+Runs once per container with the bundle as cwd and must print only the
+daemon's address on stdout. Containers of one pod (same
+``io.kubernetes.cri.sandbox-id``) share one daemon: when its socket already
+answers, the address is reused and no process is started. This path is hot, so
+it imports nothing heavy: the daemon is forked by the warm fork server, or by
+this process itself when none answers.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import sys
+
+from . import forkserver
+from .args import ShimArgs, parse_args
+from .paths import (
+    SOCKET_PATH_LIMIT,
+    code_fingerprint,
+    ensure_private_dir,
+    forkserver_socket_path,
+    shim_socket_path,
+)
+
+GROUP_ANNOTATIONS = ("io.containerd.runc.v2.group", "io.kubernetes.cri.sandbox-id")
+PROBE_TIMEOUT = 0.1
+
+
+class StartError(Exception):
+    pass
+
+
+def grouping_key(bundle: str, container_id: str) -> str:
+    try:
+        with open(os.path.join(bundle, "config.json"), "rb") as f:
+            spec = json.load(f)
+    except (OSError, ValueError) as err:
+        raise StartError(f"read OCI spec of container {container_id}: {err}") from err
+    annotations = spec.get("annotations") or {}
+    for key in GROUP_ANNOTATIONS:
+        value = annotations.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return container_id
+
+
+def _answers(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(PROBE_TIMEOUT)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def listen(path: str) -> socket.socket | None:
+    """Bind the pod's socket; None when a live daemon already serves it."""
+    if len(path) > SOCKET_PATH_LIMIT:
+        raise StartError(f"socket path {path!r} longer than {SOCKET_PATH_LIMIT} bytes")
+    ensure_private_dir(os.path.dirname(path))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.bind(path)
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            if _answers(path):
+                sock.close()
+                return None
+            os.unlink(path)  # stale: its daemon is gone
+            sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def write_address(bundle: str, address: str) -> None:
+    tmp = os.path.join(bundle, ".address.tmp")
+    with open(tmp, "w") as f:
+        f.write(address)
+    os.rename(tmp, os.path.join(bundle, "address"))
+
+
+def daemon_argv(args: ShimArgs) -> list[str]:
+    argv = ["-namespace", args.namespace, "-id", args.id, "-address", args.address]
+    if args.publish_binary:
+        argv += ["-publish-binary", args.publish_binary]
+    if args.debug:
+        argv.append("-debug")
+    return argv
+
+
+def fork_daemon(listener: socket.socket, args: ShimArgs, argv: list[str], stdin: bytes) -> int:
+    """The cold path: fork the daemon from this process."""
+    pid = os.fork()
+    if pid:
+        return pid
+    fd = os.dup(listener.fileno())
+    listener.close()
+    forkserver.run_forked_daemon(fd, os.getcwd(), dict(os.environ), parse_args(argv), stdin)
+
+
+def spawn_daemon(listener: socket.socket, args: ShimArgs, stdin: bytes) -> int:
+    argv = daemon_argv(args)
+    server = forkserver_socket_path(code_fingerprint())
+    if os.environ.get("CEDANA_FORKSERVER", "1") != "0":
+        try:
+            return forkserver.request_fork(
+                server, listener.fileno(), argv, os.getcwd(), os.environ, stdin
+            )
+        except forkserver.ForkServerUnavailable:
+            forkserver.spawn_server(server)
+    return fork_daemon(listener, args, argv, stdin)
+
+
+def adjust_oom_score(pid: int) -> None:
+    """Daemon one point more killable than containerd, as the runc shim does."""
+    try:
+        with open(f"/proc/{os.getppid()}/oom_score_adj") as f:
+            score = int(f.read().strip())
+        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write(str(min(score + 1, 1000)))
+    except (OSError, ValueError):
+        pass  # this VM refuses some values; the daemon keeps the inherited score
+
+
+def run_start(args: ShimArgs, stdin: bytes) -> int:
+    if not args.namespace or not args.id:
+        raise StartError("start needs -namespace and -id")
+    bundle = os.getcwd()
+    group = grouping_key(bundle, args.id)
+    path = args.socket or shim_socket_path(args.address, args.namespace, group)
+    address = "unix://" + path
+    listener = listen(path)
+    if listener is None:
+        write_address(bundle, address)
+        sys.stdout.write(address)
+        return 0
+    try:
+        write_address(bundle, address)
+        pid = spawn_daemon(listener, args, stdin)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        listener.close()
+    adjust_oom_score(pid)
+    sys.stdout.write(address)
+    return 0

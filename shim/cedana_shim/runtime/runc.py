@@ -1,0 +1,598 @@
+"""The runc driver: one coroutine per runc verb, modelled on go-runc.
+
+Every invocation goes through the daemon's :class:`~cedana_shim.runtime.reaper.Reaper`
+(never asyncio's child watcher, which would race it for the exit status). runc's
+own stdout/stderr are captured in memfds rather than pipes: a container that
+inherits a pipe would keep it open forever and a reader would never see EOF,
+while a memfd is simply read after runc exits. The container's stdio for
+``create``/``exec``/``restore`` is handed to runc as its own stdin/stdout/stderr,
+because a detached runc passes its stdio through to the container.
+
+On failure a :class:`RuncError` subclass is raised whose errors.py class is
+decided here, and only here, by matching runc's message (containerd's
+``runtimeError``/``checkKillError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any, Final
+
+from cedana_shim import errors
+from cedana_shim.runtime.reaper import KILL_GRACE_SECONDS, Child, Reaper
+
+__all__ = [
+    "CGROUP_MODES",
+    "CheckpointOpts",
+    "CreateOpts",
+    "ExecOpts",
+    "RestoreOpts",
+    "Runc",
+    "RuncAlreadyExists",
+    "RuncError",
+    "RuncFailedPrecondition",
+    "RuncNotFound",
+    "RuncUnknown",
+    "Stdio",
+    "classify",
+    "read_pid_file",
+]
+
+logger = logging.getLogger(__name__)
+
+CGROUP_MODES: Final = frozenset({"soft", "full", "strict", "ignore"})
+# Only the tail of a log is searched: a runaway --debug log must not be read whole.
+_LOG_READ_LIMIT: Final = 1 << 20
+
+_KILL_GONE = re.compile(
+    r"not running|no such process|process already finished|\bESRCH\b", re.IGNORECASE
+)
+_NOT_FOUND = re.compile(r"does not exist|container \S.* not found", re.IGNORECASE)
+_ALREADY_EXISTS = re.compile(r"already exists", re.IGNORECASE)
+# runc's state-guard messages ("container not running", "container not paused",
+# "Container cannot be checkpointed in stopped state", "cannot exec in a stopped
+# state"): the request is valid, the container is just not in a state for it.
+_WRONG_STATE = re.compile(
+    r"not running|not paused|cannot be checkpointed in|stopped (?:state|container)",
+    re.IGNORECASE,
+)
+
+
+class RuncError(errors.ShimError):
+    """runc exited non-zero. Raised only as one of the classified subclasses."""
+
+    def __init__(self, verb: str, exit_status: int, message: str) -> None:
+        super().__init__(f"runc {verb} failed (exit status {exit_status}): {message}")
+        self.verb = verb
+        self.exit_status = exit_status
+        self.message = message
+
+
+class RuncNotFound(RuncError, errors.NotFound):
+    pass
+
+
+class RuncAlreadyExists(RuncError, errors.AlreadyExists):
+    pass
+
+
+class RuncFailedPrecondition(RuncError, errors.FailedPrecondition):
+    pass
+
+
+class RuncUnknown(RuncError, errors.Unknown):
+    pass
+
+
+def classify(verb: str, exit_status: int, message: str) -> RuncError:
+    """The error to raise for a failed ``runc <verb>`` that said ``message``."""
+    if verb == "kill" and _KILL_GONE.search(message):
+        return RuncNotFound(verb, exit_status, message)
+    if _NOT_FOUND.search(message):
+        return RuncNotFound(verb, exit_status, message)
+    if _ALREADY_EXISTS.search(message):
+        return RuncAlreadyExists(verb, exit_status, message)
+    if _WRONG_STATE.search(message):
+        return RuncFailedPrecondition(verb, exit_status, message)
+    return RuncUnknown(verb, exit_status, message)
+
+
+@dataclass(frozen=True, slots=True)
+class Stdio:
+    """The fds a detached, non-terminal container inherits; ``None`` is /dev/null.
+
+    The caller keeps ownership and closes its copies after the call returns.
+    """
+
+    stdin: int | None = None
+    stdout: int | None = None
+    stderr: int | None = None
+
+
+def _abs(path: str | None) -> str | None:
+    return os.path.abspath(path) if path else None
+
+
+def _argv(*flags: tuple[str, str | int | bool | tuple[str, ...] | None]) -> list[str]:
+    """``(flag, value)`` pairs in order: ``True`` is a bare flag, a tuple repeats
+    the flag per element, ``None``/``False``/empty add nothing."""
+    out: list[str] = []
+    for flag, value in flags:
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, tuple):
+            for item in value:
+                out += [flag, item]
+        elif value is not None and value is not False and value != "":
+            out += [flag, str(value)]
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class CreateOpts:
+    bundle: str
+    pid_file: str | None = None
+    console_socket: str | None = None
+    no_pivot: bool = False
+    no_new_keyring: bool = False
+    stdio: Stdio | None = None
+
+    def args(self) -> list[str]:
+        return _argv(
+            ("--bundle", _abs(self.bundle)),
+            ("--pid-file", _abs(self.pid_file)),
+            ("--console-socket", self.console_socket),
+            ("--no-pivot", self.no_pivot),
+            ("--no-new-keyring", self.no_new_keyring),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ExecOpts:
+    """``process_spec_json`` is an OCI ``specs.Process`` (containerd's exec spec value)."""
+
+    process_spec_json: bytes
+    pid_file: str | None = None
+    console_socket: str | None = None
+    # With detach=False the call returns only when the process exits, and a
+    # non-zero exit of the process is reported as a RuncError.
+    detach: bool = True
+    stdio: Stdio | None = None
+
+    def __post_init__(self) -> None:
+        if not self.process_spec_json.strip():
+            raise errors.InvalidArgument("exec needs a process spec")
+
+    def args(self, process_file: str) -> list[str]:
+        return _argv(
+            ("--process", process_file),
+            ("--console-socket", self.console_socket),
+            ("--detach", self.detach),
+            ("--pid-file", _abs(self.pid_file)),
+        )
+
+
+def _check_criu_common(
+    mode: str | None, empty_ns: tuple[str, ...], status_fd: int | None, lazy: bool
+) -> None:
+    if mode is not None and mode not in CGROUP_MODES:
+        raise errors.InvalidArgument(f"unknown cgroups mode {mode!r}")
+    if any(not ns or ns.startswith("-") for ns in empty_ns):
+        raise errors.InvalidArgument(f"bad empty namespace list {empty_ns!r}")
+    if status_fd is not None and not lazy:
+        raise errors.InvalidArgument("status_fd is only meaningful with lazy_pages")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointOpts:
+    image_path: str
+    work_path: str | None = None
+    parent_path: str | None = None
+    leave_running: bool = False
+    tcp_established: bool = False
+    ext_unix_sk: bool = False
+    shell_job: bool = False
+    file_locks: bool = False
+    empty_ns: tuple[str, ...] = ()
+    page_server: str | None = None
+    manage_cgroups_mode: str | None = None
+    lazy_pages: bool = False
+    # Passed to runc under its own number (the reaper keeps fd numbers).
+    status_fd: int | None = None
+    pre_dump: bool = False
+    auto_dedup: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.image_path:
+            raise errors.InvalidArgument("checkpoint needs an image path")
+        _check_criu_common(self.manage_cgroups_mode, self.empty_ns, self.status_fd, self.lazy_pages)
+
+    def args(self) -> list[str]:
+        return _argv(
+            ("--image-path", _abs(self.image_path)),
+            ("--work-path", _abs(self.work_path)),
+            ("--leave-running", self.leave_running),
+            ("--tcp-established", self.tcp_established),
+            ("--ext-unix-sk", self.ext_unix_sk),
+            ("--shell-job", self.shell_job),
+            ("--file-locks", self.file_locks),
+            ("--empty-ns", self.empty_ns),
+            ("--parent-path", self.parent_path),
+            ("--page-server", self.page_server),
+            ("--manage-cgroups-mode", self.manage_cgroups_mode),
+            ("--lazy-pages", self.lazy_pages),
+            ("--status-fd", self.status_fd),
+            ("--pre-dump", self.pre_dump),
+            ("--auto-dedup", self.auto_dedup),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestoreOpts:
+    """``runc restore``. There is no ``parent_path``: runc restore has no such flag
+    (a pre-dump parent is found through the image's ``parent`` link)."""
+
+    bundle: str
+    image_path: str
+    work_path: str | None = None
+    pid_file: str | None = None
+    console_socket: str | None = None
+    detach: bool = True
+    no_subreaper: bool = True
+    no_pivot: bool = False
+    tcp_established: bool = False
+    ext_unix_sk: bool = False
+    shell_job: bool = False
+    file_locks: bool = False
+    empty_ns: tuple[str, ...] = ()
+    manage_cgroups_mode: str | None = None
+    lazy_pages: bool = False
+    auto_dedup: bool = False
+    lsm_profile: str | None = None
+    stdio: Stdio | None = None
+
+    def __post_init__(self) -> None:
+        if not self.image_path:
+            raise errors.InvalidArgument("restore needs an image path")
+        _check_criu_common(self.manage_cgroups_mode, self.empty_ns, None, self.lazy_pages)
+
+    def args(self) -> list[str]:
+        return _argv(
+            ("--image-path", _abs(self.image_path)),
+            ("--work-path", _abs(self.work_path)),
+            ("--tcp-established", self.tcp_established),
+            ("--ext-unix-sk", self.ext_unix_sk),
+            ("--shell-job", self.shell_job),
+            ("--file-locks", self.file_locks),
+            ("--empty-ns", self.empty_ns),
+            ("--manage-cgroups-mode", self.manage_cgroups_mode),
+            ("--lazy-pages", self.lazy_pages),
+            ("--auto-dedup", self.auto_dedup),
+            ("--lsm-profile", self.lsm_profile),
+            ("--detach", self.detach),
+            ("--pid-file", _abs(self.pid_file)),
+            ("--console-socket", self.console_socket),
+            ("--no-pivot", self.no_pivot),
+            ("--no-subreaper", self.no_subreaper),
+            ("--bundle", _abs(self.bundle)),
+        )
+
+
+def read_pid_file(path: str) -> int:
+    """The pid runc wrote with ``--pid-file``."""
+    try:
+        with open(path, "rb") as f:
+            return int(f.read().strip())
+    except FileNotFoundError as err:
+        raise errors.NotFound(f"pid file {path} does not exist") from err
+    except ValueError as err:
+        raise errors.Internal(f"pid file {path} holds no pid") from err
+
+
+def _stat_key(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+@dataclass(frozen=True, slots=True)
+class _CriuLog:
+    source: str  # the log CRIU writes in its work (or image) dir
+    copy_to: str | None  # where it is kept, since the work dir is often deleted
+    # The log as it was before the call: one left by an earlier run is not news.
+    before: tuple[int, int, int] | None
+
+
+class Runc:
+    """A runc binary plus the global flags every call shares."""
+
+    def __init__(
+        self,
+        *,
+        reaper: Reaper,
+        root: str,
+        log_path: str | None = None,
+        binary: str = "runc",
+        systemd_cgroup: bool = False,
+        debug: bool = False,
+        criu: str | None = None,
+        kill_grace: float = KILL_GRACE_SECONDS,
+    ) -> None:
+        self.reaper = reaper
+        self.binary = binary
+        self.root = root
+        self.log_path = log_path
+        self.systemd_cgroup = systemd_cgroup
+        self.debug = debug
+        self.criu = criu
+        self.kill_grace = kill_grace
+
+    def global_args(self) -> list[str]:
+        out = ["--root", self.root]
+        if self.log_path:
+            # Always JSON: errors are parsed from this file.
+            out += ["--log", self.log_path, "--log-format", "json"]
+        if self.systemd_cgroup:
+            out.append("--systemd-cgroup")
+        if self.criu:
+            out += ["--criu", self.criu]
+        if self.debug:
+            out.append("--debug")
+        return out
+
+    async def create(self, id: str, opts: CreateOpts) -> None:
+        await self._run("create", id, [*opts.args(), id], inherit=_inherit(opts))
+
+    async def start(self, id: str) -> None:
+        await self._run("start", id, [id])
+
+    async def exec(self, id: str, opts: ExecOpts) -> None:
+        import tempfile
+
+        fd, path = tempfile.mkstemp(
+            prefix="runc-process", suffix=".json", dir=os.environ.get("XDG_RUNTIME_DIR") or None
+        )
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(opts.process_spec_json)
+            await self._run("exec", id, [*opts.args(path), id], inherit=_inherit(opts))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    async def kill(self, id: str, signal: int, *, all: bool = False) -> None:
+        await self._run("kill", id, [*(["--all"] if all else []), id, str(int(signal))])
+
+    async def delete(self, id: str, *, force: bool = False) -> None:
+        """``runc delete``; a container that does not exist is already deleted."""
+        try:
+            await self._run("delete", id, [*(["--force"] if force else []), id])
+        except RuncNotFound as err:
+            logger.debug("runc delete: %s", err.message, extra={"container_id": id})
+
+    async def pause(self, id: str) -> None:
+        await self._run("pause", id, [id])
+
+    async def resume(self, id: str) -> None:
+        await self._run("resume", id, [id])
+
+    async def ps(self, id: str) -> list[int]:
+        out = await self._run("ps", id, ["--format", "json", id])
+        pids = _parse_json("ps", out)
+        if pids is None:  # runc marshals an empty Go slice as null
+            return []
+        if not isinstance(pids, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) for p in pids
+        ):
+            raise errors.Internal(f"runc ps printed {out[:200]!r}, not a list of pids")
+        return pids
+
+    async def update(self, id: str, resources_json: bytes) -> None:
+        await self._run("update", id, ["--resources", "-", id], stdin_data=resources_json)
+
+    async def state(self, id: str) -> dict[str, Any]:
+        out = await self._run("state", id, [id])
+        state = _parse_json("state", out)
+        if not isinstance(state, dict):
+            raise errors.Internal(f"runc state printed {out[:200]!r}, not an object")
+        return state
+
+    async def checkpoint(self, id: str, opts: CheckpointOpts) -> None:
+        bundle = os.path.dirname(self.log_path) if self.log_path else None
+        source = os.path.join(opts.work_path or opts.image_path, "dump.log")
+        copy_to = os.path.join(bundle, "criu-dump.log") if bundle else None
+        log = _CriuLog(source, copy_to, _stat_key(source))
+        pass_fds = () if opts.status_fd is None else (opts.status_fd,)
+        await self._run("checkpoint", id, [*opts.args(), id], pass_fds=pass_fds, criu_log=log)
+
+    async def restore(self, id: str, opts: RestoreOpts) -> None:
+        source = os.path.join(opts.work_path or opts.image_path, "restore.log")
+        log = _CriuLog(source, os.path.join(opts.bundle, "criu-restore.log"), _stat_key(source))
+        await self._run("restore", id, [*opts.args(), id], inherit=_inherit(opts), criu_log=log)
+
+    async def _run(
+        self,
+        verb: str,
+        id: str,
+        args: list[str],
+        *,
+        inherit: Stdio | None = None,
+        stdin_data: bytes | None = None,
+        pass_fds: tuple[int, ...] = (),
+        criu_log: _CriuLog | None = None,
+    ) -> bytes:
+        """Run ``runc <global flags> <verb> <args>``; runc's stdout, or a RuncError.
+
+        With ``inherit`` the container gets those fds and runc's own output is
+        not captured (it is the container's); otherwise stdout and stderr go to
+        memfds.
+        """
+        argv = [self.binary, *self.global_args(), verb, *args]
+        env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+        log_offset = self._log_size()
+        own: list[int] = []
+        out_fd: int | None = None
+        err_fd: int | None = None
+        try:
+            if inherit is not None:
+                stdin = _or_devnull(inherit.stdin)
+                stdout = _or_devnull(inherit.stdout)
+                stderr = _or_devnull(inherit.stderr)
+            else:
+                stdin = subprocess.DEVNULL
+                out_fd = _memfd("runc-stdout", own)
+                err_fd = _memfd("runc-stderr", own)
+                stdout, stderr = out_fd, err_fd
+            if stdin_data is not None:
+                stdin = _memfd("runc-stdin", own)
+                os.write(stdin, stdin_data)
+                os.lseek(stdin, 0, os.SEEK_SET)
+            started = time.monotonic()
+            try:
+                child = self.reaper.spawn(
+                    argv, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds, env=env
+                )
+            except OSError as err:
+                raise errors.Internal(f"cannot run {self.binary} {verb}: {err}") from err
+            try:
+                ex = await child.wait()
+            except asyncio.CancelledError:
+                await self._reap_cancelled(child, verb, id)
+                raise
+            elapsed = time.monotonic() - started
+            logger.debug(
+                "runc %s %s: exit status %d in %.3fs",
+                verb,
+                id,
+                ex.status,
+                elapsed,
+                extra={
+                    "runc_verb": verb,
+                    "container_id": id,
+                    "exit_status": ex.status,
+                    "duration_s": elapsed,
+                },
+            )
+            out = _read_memfd(out_fd) if out_fd is not None else b""
+            if ex.status == 0:
+                return out
+            err_text = _read_memfd(err_fd).decode(errors="replace") if err_fd is not None else ""
+        finally:
+            for fd in own:
+                os.close(fd)
+        message = self._last_log_error(log_offset) or err_text.strip() or f"exit status {ex.status}"
+        if criu_log is not None:
+            # runc's second line names the CRIU log in the work dir, which the
+            # caller usually deletes; the kept copy replaces it.
+            message = message.split("\n", 1)[0] + _keep_criu_log(criu_log)
+        raise classify(verb, ex.status, message)
+
+    async def _reap_cancelled(self, child: Child, verb: str, id: str) -> None:
+        """SIGTERM, grace, SIGKILL, and wait for the exit even if cancelled again."""
+        logger.warning(
+            "runc %s %s cancelled; terminating pid %d",
+            verb,
+            id,
+            child.pid,
+            extra={"runc_verb": verb, "container_id": id},
+        )
+        cleanup = asyncio.ensure_future(child.terminate(self.kill_grace))
+        while not cleanup.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(cleanup)
+        if not cleanup.cancelled() and cleanup.exception() is not None:
+            logger.error("terminating runc %s %s failed: %s", verb, id, cleanup.exception())
+
+    def _log_size(self) -> int:
+        if not self.log_path:
+            return 0
+        try:
+            return os.stat(self.log_path).st_size
+        except FileNotFoundError:
+            return 0
+
+    def _last_log_error(self, offset: int) -> str:
+        """The message of the last error-level line runc logged since ``offset``.
+
+        Another call running at the same time on the same log can add lines in
+        the window too; what is certain is that nothing older is reported.
+        """
+        if not self.log_path:
+            return ""
+        try:
+            with open(self.log_path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < offset:  # truncated by someone else: all of it is new
+                    offset = 0
+                f.seek(max(offset, size - _LOG_READ_LIMIT))
+                data = f.read()
+        except OSError:
+            return ""
+        for line in reversed(data.splitlines()):
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("level") == "error":
+                return str(entry.get("msg", "")).strip()
+        return ""
+
+
+def _inherit(opts: CreateOpts | ExecOpts | RestoreOpts) -> Stdio | None:
+    if opts.stdio is not None:
+        return opts.stdio
+    # With a terminal the container's stdio is the pty, so runc's own output can
+    # be captured; without one the container would inherit the capture files.
+    return None if opts.console_socket else Stdio()
+
+
+def _or_devnull(fd: int | None) -> int:
+    return subprocess.DEVNULL if fd is None else fd
+
+
+def _memfd(name: str, own: list[int]) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    own.append(fd)
+    return fd
+
+
+def _read_memfd(fd: int) -> bytes:
+    return os.pread(fd, os.fstat(fd).st_size, 0)
+
+
+def _parse_json(verb: str, out: bytes) -> Any:
+    try:
+        return json.loads(out)
+    except ValueError as err:
+        raise errors.Internal(f"runc {verb} printed {out[:200]!r}, not JSON") from err
+
+
+def _keep_criu_log(log: _CriuLog) -> str:
+    """Copy CRIU's log next to the bundle; the text to add to the error message.
+
+    The log is not mined for an "Error" line: the first ones are often harmless
+    and the last is "Dumping FAILED.", so the path is what is useful.
+    """
+    import shutil
+
+    now = _stat_key(log.source)
+    if now is None or now == log.before:  # CRIU never ran, e.g. runc refused first
+        return ""
+    path = log.source
+    if log.copy_to:
+        try:
+            shutil.copyfile(log.source, log.copy_to)
+            path = log.copy_to
+        except OSError as err:
+            logger.warning("cannot copy %s to %s: %s", log.source, log.copy_to, err)
+    return f"; criu log: {path}"

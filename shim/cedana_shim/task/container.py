@@ -1,0 +1,460 @@
+"""One container: its init process, its execs, and the runc calls behind them.
+
+Requests arrive here already turned into frozen configs (``CreateConfig``,
+``ExecConfig``). Every operation takes the process's lock, checks the
+transition table, does the side effect, and commits the transition only once
+the side effect succeeded. Events and exit bookkeeping belong to the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..bundle_state import BundleState
+from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from ..runtime.console import ConsoleSocket
+from ..runtime.mount import Mount, mount_all, unmount_all
+from ..runtime.reaper import Child, Reaper
+from ..runtime.runc import (
+    CheckpointOpts,
+    CreateOpts,
+    ExecOpts,
+    RestoreOpts,
+    Runc,
+    Stdio,
+    read_pid_file,
+)
+from .cgroups import Cgroup, load_cgroup
+from .options import RuntimeOptions
+from .process import ExitInfo, Process, State
+from .stdio import LOGGER_READY_TIMEOUT, LOGGER_STOP_GRACE, ProcessIO, StdioConfig
+
+log = logging.getLogger(__name__)
+
+IO_DRAIN_TIMEOUT = 2.0  # how long Delete waits for output still in flight
+
+
+@dataclass(frozen=True, slots=True)
+class CreateConfig:
+    id: str
+    bundle: str
+    namespace: str
+    rootfs: tuple[Mount, ...]
+    stdio: StdioConfig
+    checkpoint: str  # a directory of CRIU images to restore at Start, or ""
+    options: RuntimeOptions
+
+
+@dataclass(frozen=True, slots=True)
+class ExecConfig:
+    exec_id: str
+    stdio: StdioConfig
+    process_json: bytes  # an OCI specs.Process
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointConfig:
+    image_path: str
+    work_path: str
+    exit: bool
+    open_tcp: bool = False
+    external_unix_sockets: bool = False
+    file_locks: bool = False
+    empty_namespaces: tuple[str, ...] = ()
+
+
+@dataclass(eq=False)
+class ExecProcess:
+    config: ExecConfig
+    process: Process
+    io: ProcessIO | None = None
+    logger: Child | None = None
+
+
+@dataclass(eq=False)
+class Container:
+    config: CreateConfig
+    runc: Runc
+    reaper: Reaper
+    spec: dict[str, Any]
+    init: Process
+    io: ProcessIO
+    execs: dict[str, ExecProcess] = field(default_factory=dict)
+    cgroup: Cgroup | None = None
+    logger: Child | None = None
+    rootfs_mounted: bool = False
+    pending_init_exit: ExitInfo | None = None
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+    @property
+    def bundle(self) -> str:
+        return self.config.bundle
+
+    # -- create / start --------------------------------------------------------------
+
+    @classmethod
+    async def create(cls, config: CreateConfig, reaper: Reaper, *, debug: bool) -> Container:
+        spec = _load_spec(config.bundle, config.id)
+        opts = config.options
+        state = BundleState(
+            opts.binary_name, os.path.join(opts.root, config.namespace), opts.systemd_cgroup
+        )
+        state.save(config.bundle)
+        runc = Runc(
+            reaper=reaper,
+            root=state.runc_root,
+            log_path=os.path.join(config.bundle, "log.json"),
+            binary=state.runc_binary,
+            systemd_cgroup=state.systemd_cgroup,
+            debug=debug,
+        )
+        container = cls(
+            config=config,
+            runc=runc,
+            reaper=reaper,
+            spec=spec,
+            init=Process(config.id, ""),
+            io=ProcessIO(config.id, config.stdio, opts.io_uid, opts.io_gid),
+        )
+        try:
+            await container._create()
+        except BaseException:
+            await container._cleanup_failed_create()
+            raise
+        return container
+
+    async def _create(self) -> None:
+        rootfs = os.path.join(self.bundle, "rootfs")
+        if self.config.rootfs:
+            os.makedirs(rootfs, mode=0o711, exist_ok=True)
+            await asyncio.to_thread(mount_all, self.config.rootfs, rootfs)
+            self.rootfs_mounted = True
+        if self.config.checkpoint:
+            # Nothing runs until Start, which restores from the images.
+            self.init.state = State.RESTORE_PENDING
+            return
+        await self._run_with_stdio(
+            self.io,
+            lambda console, stdio: self.runc.create(
+                self.id,
+                CreateOpts(
+                    bundle=self.bundle,
+                    pid_file=self._pid_file(),
+                    console_socket=console,
+                    no_pivot=self.config.options.no_pivot_root,
+                    no_new_keyring=self.config.options.no_new_keyring,
+                    stdio=stdio,
+                ),
+            ),
+        )
+        self.init.pid = read_pid_file(self._pid_file())
+        self._load_cgroup()
+
+    def _pid_file(self) -> str:
+        return os.path.join(self.bundle, "init.pid")
+
+    def _load_cgroup(self) -> None:
+        try:
+            self.cgroup = load_cgroup(self.init.pid)
+        except (OSError, ValueError, NotFound) as err:
+            log.warning("no cgroup for stats", extra={"container": self.id, "error": str(err)})
+
+    async def _run_with_stdio(self, io: ProcessIO, call: Any) -> None:
+        """Run a runc verb that starts a process with ``io`` as its stdio."""
+        if io.config.terminal:
+            async with ConsoleSocket() as console:
+                await call(console.path, None)
+                master = await console.receive_master()
+            io.start(master)
+            return
+        stdin, stdout, stderr = io.prepare()
+        logger = await self._start_logger(io)
+        try:
+            await call(None, Stdio(stdin, stdout, stderr))
+        except BaseException:
+            if logger is not None:
+                await logger.terminate(LOGGER_STOP_GRACE)
+            raise
+        if io is self.io:
+            self.logger = logger
+        io.start()
+
+    async def _start_logger(self, io: ProcessIO) -> Child | None:
+        plan = io.logger
+        if plan is None:
+            return None
+        import fcntl
+
+        devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        # The logger wants its pipes at fds 3, 4, 5. Copies above those numbers
+        # first, so no dup2 overwrites a source another one still needs.
+        sources = (plan.stdout_r, plan.stderr_r, plan.ready_w)
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in sources]
+        try:
+            pid = os.posix_spawn(
+                plan.argv[0],
+                list(plan.argv),
+                {"CONTAINER_ID": self.id, "CONTAINER_NAMESPACE": self.config.namespace},
+                file_actions=[
+                    *((os.POSIX_SPAWN_DUP2, devnull, fd) for fd in (0, 1, 2)),
+                    *((os.POSIX_SPAWN_DUP2, fd, 3 + i) for i, fd in enumerate(high)),
+                ],
+            )
+        except OSError as err:
+            raise InvalidArgument(f"start logging binary {plan.argv[0]}: {err}") from err
+        finally:
+            for fd in (devnull, *high):
+                os.close(fd)
+        child = self.reaper.track(pid)
+        io.logger_spawned()
+        loop = asyncio.get_running_loop()
+        ready = loop.run_in_executor(None, os.read, plan.ready_r, 1)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ready, LOGGER_READY_TIMEOUT)
+        return child
+
+    async def start(self) -> int:
+        async with self.init.lock:
+            if self.init.exit is not None:
+                raise FailedPrecondition(f"container {self.id} exited before it was started")
+            self.init.check("start")
+            if self.init.state is State.RESTORE_PENDING:
+                await self._restore()
+            else:
+                await self.runc.start(self.id)
+            if self.init.exit is None:
+                self.init.commit("start")
+            return self.init.pid
+
+    async def _restore(self) -> None:
+        work = self.config.options.criu_work_path or os.path.join(self.bundle, "work")
+        await self._run_with_stdio(
+            self.io,
+            lambda console, stdio: self.runc.restore(
+                self.id,
+                RestoreOpts(
+                    bundle=self.bundle,
+                    image_path=self.config.checkpoint,
+                    work_path=work,
+                    pid_file=self._pid_file(),
+                    console_socket=console,
+                    no_pivot=self.config.options.no_pivot_root,
+                    shell_job=self.io.config.terminal,
+                    stdio=stdio,
+                ),
+            ),
+        )
+        self.init.pid = read_pid_file(self._pid_file())
+        self._load_cgroup()
+
+    # -- execs -----------------------------------------------------------------------
+
+    def add_exec(self, config: ExecConfig) -> None:
+        if config.exec_id in self.execs:
+            raise AlreadyExists(f"exec {config.exec_id} already exists in container {self.id}")
+        if self.init.state is State.PAUSED:
+            raise FailedPrecondition(f"cannot exec in paused container {self.id}")
+        self.init.check("exec")
+        try:
+            json.loads(config.process_json)
+        except ValueError as err:
+            raise InvalidArgument(f"exec {config.exec_id}: process spec is not JSON") from err
+        self.execs[config.exec_id] = ExecProcess(config, Process(self.id, config.exec_id))
+
+    def get_exec(self, exec_id: str) -> ExecProcess:
+        try:
+            return self.execs[exec_id]
+        except KeyError:
+            raise NotFound(f"exec {exec_id} not found in container {self.id}") from None
+
+    def process(self, exec_id: str) -> Process:
+        return self.init if not exec_id else self.get_exec(exec_id).process
+
+    async def start_exec(self, exec_id: str) -> int:
+        ex = self.get_exec(exec_id)
+        async with ex.process.lock:
+            ex.process.check("start")
+            if self.init.state is not State.RUNNING:
+                raise FailedPrecondition(
+                    f"cannot start exec {exec_id}: container {self.id} is {self.init.state.value}"
+                )
+            ex.io = ProcessIO(
+                f"{self.id}-{exec_id}",
+                ex.config.stdio,
+                self.config.options.io_uid,
+                self.config.options.io_gid,
+            )
+            pid_file = os.path.join(self.bundle, f"{exec_id}.pid")
+            process_json = _with_terminal(ex.config.process_json, ex.config.stdio.terminal)
+            await self._run_with_stdio(
+                ex.io,
+                lambda console, stdio: self.runc.exec(
+                    self.id,
+                    ExecOpts(
+                        process_spec_json=process_json,
+                        pid_file=pid_file,
+                        console_socket=console,
+                        stdio=stdio,
+                    ),
+                ),
+            )
+            ex.process.pid = read_pid_file(pid_file)
+            if ex.process.exit is None:
+                ex.process.commit("start")
+            return ex.process.pid
+
+    def running_execs(self) -> list[ExecProcess]:
+        return [e for e in self.execs.values() if e.process.state is State.RUNNING]
+
+    # -- signals, pause, update ------------------------------------------------------------
+
+    async def kill(self, exec_id: str, sig: int, all_processes: bool) -> None:
+        if exec_id:
+            proc = self.get_exec(exec_id).process
+            proc.check("kill")
+            if proc.pid == 0:
+                raise FailedPrecondition(f"exec {exec_id} of container {self.id} is not started")
+            try:
+                os.kill(proc.pid, sig)
+            except ProcessLookupError:
+                raise NotFound(f"exec {exec_id} of container {self.id} already exited") from None
+            return
+        async with self.init.lock:
+            self.init.check("kill")
+            await self.runc.kill(self.id, sig, all=all_processes)
+
+    async def pause(self) -> None:
+        async with self.init.lock:
+            self.init.check("pause")
+            await self.runc.pause(self.id)
+            self.init.commit("pause")
+
+    async def resume(self) -> None:
+        async with self.init.lock:
+            self.init.check("resume")
+            await self.runc.resume(self.id)
+            self.init.commit("resume")
+
+    async def update(self, resources_json: bytes) -> None:
+        async with self.init.lock:
+            self.init.check("update")
+            await self.runc.update(self.id, resources_json)
+
+    async def pids(self) -> list[int]:
+        if self.init.state in (State.STOPPED, State.DELETED):
+            return []
+        return await self.runc.ps(self.id)
+
+    def resize(self, exec_id: str, width: int, height: int) -> None:
+        from .stdio import set_window_size
+
+        proc = self.process(exec_id)
+        proc.check("resize")
+        io = self.io if not exec_id else self.get_exec(exec_id).io
+        if io is not None and io.console is not None:
+            set_window_size(io.console, width, height)
+
+    def close_io(self, exec_id: str) -> None:
+        io = self.io if not exec_id else self.get_exec(exec_id).io
+        if io is not None:
+            io.close_stdin()
+
+    async def checkpoint(self, config: CheckpointConfig) -> None:
+        async with self.init.lock:
+            self.init.check("checkpoint")
+            await self.runc.checkpoint(
+                self.id,
+                CheckpointOpts(
+                    image_path=config.image_path,
+                    work_path=config.work_path,
+                    leave_running=not config.exit,
+                    tcp_established=config.open_tcp,
+                    ext_unix_sk=config.external_unix_sockets,
+                    shell_job=self.io.config.terminal,
+                    file_locks=config.file_locks,
+                    empty_ns=config.empty_namespaces,
+                ),
+            )
+
+    # -- exits -----------------------------------------------------------------------
+
+    def needs_kill_all_on_exit(self) -> bool:
+        """Without a private pid namespace the init's death does not end its children."""
+        namespaces = (self.spec.get("linux") or {}).get("namespaces") or []
+        for ns in namespaces:
+            if isinstance(ns, dict) and ns.get("type") == "pid":
+                return bool(ns.get("path"))
+        return True
+
+    async def kill_all(self) -> None:
+        with contextlib.suppress(NotFound):
+            await self.runc.kill(self.id, signal.SIGKILL, all=True)
+
+    # -- delete ----------------------------------------------------------------------
+
+    async def delete(self) -> ExitInfo:
+        async with self.init.lock:
+            self.init.check("delete")
+            if self.init.state is not State.RESTORE_PENDING:
+                await self.runc.delete(self.id, force=self.init.state is State.CREATED)
+            exit_info = self.init.exit or ExitInfo(0, 0.0)
+            await self._release()
+            self.init.commit("delete")
+            return exit_info
+
+    def delete_exec(self, exec_id: str) -> ExecProcess:
+        ex = self.get_exec(exec_id)
+        ex.process.check("delete")
+        if ex.io is not None:
+            ex.io.wait(IO_DRAIN_TIMEOUT)
+            ex.io.close()
+        ex.process.commit("delete")
+        del self.execs[exec_id]
+        return ex
+
+    async def _release(self) -> None:
+        await asyncio.to_thread(self.io.wait, IO_DRAIN_TIMEOUT)
+        self.io.close()
+        if self.logger is not None:
+            await self.logger.terminate(LOGGER_STOP_GRACE)
+            self.logger = None
+        for ex in self.execs.values():
+            if ex.io is not None:
+                ex.io.close()
+        if self.rootfs_mounted:
+            await asyncio.to_thread(unmount_all, os.path.join(self.bundle, "rootfs"))
+            self.rootfs_mounted = False
+
+    async def _cleanup_failed_create(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.runc.delete(self.id, force=True)
+        with contextlib.suppress(Exception):
+            await self._release()
+
+
+def _load_spec(bundle: str, container_id: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(bundle, "config.json"), "rb") as f:
+            spec = json.load(f)
+    except (OSError, ValueError) as err:
+        raise InvalidArgument(f"read OCI spec of container {container_id}: {err}") from err
+    if not isinstance(spec, dict):
+        raise InvalidArgument(f"OCI spec of container {container_id} is not a JSON object")
+    return spec
+
+
+def _with_terminal(process_json: bytes, terminal: bool) -> bytes:
+    """containerd overrides the exec spec's ``terminal`` with the request's."""
+    spec = json.loads(process_json)
+    spec["terminal"] = terminal
+    return json.dumps(spec).encode()
