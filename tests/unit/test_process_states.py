@@ -4,7 +4,6 @@ import asyncio
 import itertools
 
 import pytest
-
 from cedana_shim.errors import FailedPrecondition, NotFound
 from cedana_shim.task.process import EXEC_TRANSITIONS, INIT_TRANSITIONS, Process, State
 

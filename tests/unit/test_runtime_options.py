@@ -1,8 +1,6 @@
 """Runtime options in every form containerd sends them."""
 
 import pytest
-from google.protobuf.any_pb2 import Any
-
 from cedana_shim.api.containerd import bootstrap_pb2, runtimeoptions_pb2
 from cedana_shim.api.containerd.runc import options_pb2
 from cedana_shim.errors import InvalidArgument
@@ -11,6 +9,7 @@ from cedana_shim.task.options import (
     decode_start_stdin,
     parse_runtime_options,
 )
+from google.protobuf.any_pb2 import Any
 
 
 def pack(message: object, prefix: str = "") -> Any:

@@ -1,7 +1,6 @@
 """The shim's flags parse as Go's flag package parses them."""
 
 import pytest
-
 from cedana_shim.cli.args import ShimArgs, UsageError, parse_args
 
 

@@ -1,7 +1,6 @@
 """Stdio URIs are read as containerd's createIO reads them."""
 
 import pytest
-
 from cedana_shim.errors import InvalidArgument
 from cedana_shim.task.stdio import StdioConfig, StdioTarget, parse_target
 

@@ -434,11 +434,11 @@ def test_undecodable_response_payload_is_internal() -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("containerd") is None,
-    reason="needs root and a containerd binary",
-)
 def test_forward_event_to_real_containerd() -> None:
+    assert os.geteuid() == 0, "this test starts a containerd: run it as root"
+    assert shutil.which("containerd"), (
+        "containerd is not installed (run scripts/setup-node-deps.sh)"
+    )
     from cedana_shim.api.containerd.events.task_pb2 import TaskExit
     from cedana_shim.api.containerd.services.ttrpc_events_pb2 import Envelope, ForwardRequest
     from google.protobuf.any_pb2 import Any as AnyPb

@@ -1,10 +1,9 @@
 """The hand-written DeleteResponse encoding equals the generated class's."""
 
-from hypothesis import given
-from hypothesis import strategies as st
-
 from cedana_shim.api.containerd.task.v2 import shim_pb2
 from cedana_shim.wire import delete_response
+from hypothesis import given
+from hypothesis import strategies as st
 
 
 @given(

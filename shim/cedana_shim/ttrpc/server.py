@@ -203,23 +203,25 @@ class Server:
             if self._check_peer_uid and not _peer_uid_allowed(conn):
                 conn.close()
                 continue
+            # Counted from here, not from inside the task, so wait_closed() cannot slip
+            # between accept and the task's first step.
+            self._enter()
             task = asyncio.create_task(self._serve_accepted(conn), name="ttrpc connection")
             self._connection_tasks.add(task)
-            task.add_done_callback(self._connection_tasks.discard)
+            task.add_done_callback(self._connection_done)
+
+    def _connection_done(self, task: asyncio.Task[None]) -> None:
+        self._connection_tasks.discard(task)
+        self._exit()
 
     async def _serve_accepted(self, conn: socket.socket) -> None:
-        self._enter()
         try:
             reader, writer = await asyncio.open_unix_connection(sock=conn)
         except Exception:
             logger.exception("ttrpc: cannot set up accepted connection")
             conn.close()
-            self._exit()
             return
-        try:
-            await self.serve_stream(AsyncioStream(reader, writer))
-        finally:
-            self._exit()
+        await self.serve_stream(AsyncioStream(reader, writer))
 
 
 def _peer_uid_allowed(conn: socket.socket) -> bool:
