@@ -172,16 +172,22 @@ class Container:
     async def _run_with_stdio(self, io: ProcessIO, call: Any) -> None:
         """Run a runc verb that starts a process with ``io`` as its stdio."""
         if io.config.terminal:
-            async with ConsoleSocket() as console:
-                await call(console.path, None)
-                master = await console.receive_master()
+            try:
+                async with ConsoleSocket() as console:
+                    await call(console.path, None)
+                    master = await console.receive_master()
+            except BaseException:
+                io.close()  # the client waits for EOF on its FIFOs
+                raise
             io.start(master)
             return
-        stdin, stdout, stderr = io.prepare()
-        logger = await self._start_logger(io)
+        logger: Child | None = None
         try:
+            stdin, stdout, stderr = io.prepare()
+            logger = await self._start_logger(io)
             await call(None, Stdio(stdin, stdout, stderr))
         except BaseException:
+            io.close()
             if logger is not None:
                 await logger.terminate(LOGGER_STOP_GRACE)
             raise

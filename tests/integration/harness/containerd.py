@@ -1,0 +1,546 @@
+"""A private containerd process: its own root, state, sockets, CNI network and log.
+
+The instance registers two runtimes, `runc` (containerd's own shim) and `cedana`
+(ours, found on PATH), so the same tests can drive either one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from . import procs
+from .config import (
+    CNI_BIN_DIR,
+    CRI_NAMESPACE,
+    CRIU,
+    SHIM_BIN_DIR,
+    ContainerdVersion,
+    Runtime,
+)
+from .cri import CGROUP_PARENT_ROOT, CriClient
+from .ctr import Ctr
+from .images import TestImages
+from .util import wait_for
+
+RUNC_STATE_ROOT = Path("/run/containerd/runc")
+_MNT_DETACH = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class ContainerdError(AssertionError):
+    pass
+
+
+def _toml_str(value: str | Path) -> str:
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+class Containerd:
+    """One containerd daemon under `base`. `start()`, `stop()` and `restart()` keep the
+    same directories, so running containers survive a restart as on a real node."""
+
+    def __init__(
+        self,
+        version: ContainerdVersion,
+        runtime: Runtime,
+        base: Path,
+        images: TestImages,
+    ) -> None:
+        self.version = version
+        self.runtime = runtime
+        self.images = images
+        self.base = base
+        self.root = base / "root"
+        self.state = base / "state"
+        self.socket = base / "c.sock"
+        self.config_path = base / "config.toml"
+        self.log_path = base / "containerd.log"
+        self.cni_conf_dir = base / "cni-conf"
+        self.cni_data_dir = base / "cni-ipam"
+        self.pod_logs = base / "pod-logs"
+        suffix = uuid.uuid4().hex[:8]
+        self.bridge = f"cdn{suffix}"
+        # A random /24 per instance: several containerds (and other suites) may run on
+        # one host, each with its own bridge.
+        self.subnet_prefix = f"10.{random.randint(200, 239)}.{random.randint(0, 255)}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self._write_config()
+
+    # -- configuration ----------------------------------------------------------------
+
+    @property
+    def subnet(self) -> str:
+        return f"{self.subnet_prefix}.0/24"
+
+    @property
+    def task_state_dir(self) -> Path:
+        return self.state / "io.containerd.runtime.v2.task"
+
+    def bundle(self, namespace: str, cid: str) -> Path:
+        return self.task_state_dir / namespace / cid
+
+    def _write_config(self) -> None:
+        for d in (self.root, self.state, self.cni_conf_dir, self.cni_data_dir, self.pod_logs):
+            d.mkdir(parents=True, exist_ok=True)
+        self.base.chmod(0o711)
+        # containerd's CRI adds the loopback interface itself (with the `loopback`
+        # plugin from the bin dir); the conflist only describes eth0.
+        conflist = {
+            "cniVersion": "1.0.0",
+            "name": f"cedana-itest-{self.bridge}",
+            "plugins": [
+                {
+                    "type": "bridge",
+                    "bridge": self.bridge,
+                    "isGateway": True,
+                    "ipMasq": False,
+                    "hairpinMode": True,
+                    "ipam": {
+                        "type": "host-local",
+                        "ranges": [[{"subnet": self.subnet}]],
+                        "routes": [{"dst": "0.0.0.0/0"}],
+                        "dataDir": str(self.cni_data_dir),
+                    },
+                }
+            ],
+        }
+        (self.cni_conf_dir / "10-cedana-itest.conflist").write_text(json.dumps(conflist))
+        render = self._config_v3 if self.version.config_version == 3 else self._config_v2
+        self.config_path.write_text(render())
+
+    def _common_header(self, version: int) -> str:
+        return f"""version = {version}
+root = {_toml_str(self.root)}
+state = {_toml_str(self.state)}
+
+[grpc]
+  address = {_toml_str(self.socket)}
+
+[ttrpc]
+  address = {_toml_str(str(self.socket) + ".ttrpc")}
+
+[debug]
+  level = "debug"
+"""
+
+    def _runtime_tables(self, prefix: str) -> str:
+        return f"""
+  [{prefix}.containerd]
+    default_runtime_name = "runc"
+    [{prefix}.containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+    [{prefix}.containerd.runtimes.cedana]
+      runtime_type = "io.containerd.cedana.v2"
+"""
+
+    def _config_v2(self) -> str:
+        cri = '"io.containerd.grpc.v1.cri"'
+        prefix = f"plugins.{cri}"
+        text = (
+            self._common_header(2)
+            + f"""
+[plugins."io.containerd.internal.v1.opt"]
+  path = {_toml_str(self.base / "opt")}
+
+[{prefix}]
+  # This VM withholds CAP_SYS_RESOURCE: without this every sandbox fails to start.
+  restrict_oom_score_adj = true
+  sandbox_image = {_toml_str(self.images.pause)}
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  [{prefix}.cni]
+    bin_dir = {_toml_str(CNI_BIN_DIR)}
+    conf_dir = {_toml_str(self.cni_conf_dir)}
+"""
+            + self._runtime_tables(prefix)
+        )
+        if self.version.major_minor >= (1, 7):
+            # NRI's socket is host-global (/var/run/nri/nri.sock).
+            text += '\n[plugins."io.containerd.nri.v1.nri"]\n  disable = true\n'
+        return text
+
+    def _config_v3(self) -> str:
+        runtime = "plugins.'io.containerd.cri.v1.runtime'"
+        return (
+            self._common_header(3)
+            + f"""
+[plugins.'io.containerd.internal.v1.opt']
+  path = {_toml_str(self.base / "opt")}
+
+[plugins.'io.containerd.grpc.v1.cri']
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+
+[plugins.'io.containerd.cri.v1.images'.pinned_images]
+  sandbox = {_toml_str(self.images.pause)}
+
+[{runtime}]
+  # This VM withholds CAP_SYS_RESOURCE: without this every sandbox fails to start.
+  restrict_oom_score_adj = true
+  [{runtime}.cni]
+    bin_dirs = [{_toml_str(CNI_BIN_DIR)}]
+    conf_dir = {_toml_str(self.cni_conf_dir)}
+"""
+            + self._runtime_tables(runtime)
+            + """
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
+"""
+        )
+
+    def _env(self) -> dict[str, str]:
+        # The matching version's runc shim must win the PATH lookup over /usr/bin's
+        # 1.6 one; the venv provides containerd-shim-cedana-v2; /usr/local/sbin carries
+        # CRIU >= 4.1 ahead of any distribution criu.
+        path = [
+            str(self.version.bin_dir),
+            str(SHIM_BIN_DIR),
+            str(CRIU.parent),
+            "/usr/local/bin",
+            "/usr/sbin",
+            "/usr/bin",
+            "/sbin",
+            "/bin",
+        ]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CONTAINERD_")}
+        env["PATH"] = ":".join(dict.fromkeys(path))
+        return env
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout: float = 20) -> None:
+        if self.running:
+            raise ContainerdError("containerd already running")
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== harness: starting containerd (start #{self.starts + 1})\n".encode())
+            log.flush()
+            # Own session: a test's signals never reach it, and it outlives nothing.
+            self.proc = subprocess.Popen(
+                [str(self.version.containerd), "--config", str(self.config_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._env(),
+                start_new_session=True,
+            )
+        self.starts += 1
+        deadline = time.monotonic() + timeout
+        while not self._socket_answers():
+            if not self.running:
+                raise ContainerdError(
+                    f"containerd {self.version.full} exited with {self.proc.returncode} "
+                    f"during startup:\n{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise ContainerdError(
+                    f"containerd {self.version.full} socket not ready after {timeout}s:\n"
+                    f"{self.log_tail()}"
+                )
+            time.sleep(0.02)
+        self._check_plugins()
+
+    def _socket_answers(self) -> bool:
+        if not self.socket.exists():
+            return False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            try:
+                s.connect(str(self.socket))
+            except OSError:
+                return False
+        return True
+
+    def _check_plugins(self) -> None:
+        """A plugin that fails to load (a config key wrong for this version, a missing
+        binary) leaves containerd up but half-working: fail loudly here instead."""
+        required = {
+            ("io.containerd.grpc.v1", "cri"),
+            ("io.containerd.snapshotter.v1", "overlayfs"),
+            ("io.containerd.runtime.v2", "task"),
+        }
+        if self.version.major_minor >= (2, 0):
+            required |= {("io.containerd.cri.v1", "runtime"), ("io.containerd.cri.v1", "images")}
+        status = {}
+        for line in self.ctr("default")("plugins", "ls").stdout.splitlines()[1:]:
+            cols = line.split()
+            if len(cols) >= 4:
+                status[(cols[0], cols[1])] = cols[-1]
+        broken = {f"{t} {i}: {status.get((t, i), 'missing')}" for t, i in required
+                  if status.get((t, i)) != "ok"}  # fmt: skip
+        if broken:
+            raise ContainerdError(
+                f"containerd {self.version.full} plugins not ok: {sorted(broken)}\n"
+                + self.log_tail()
+            )
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def restart(self, sig: int = signal.SIGTERM) -> None:
+        """Stop (SIGTERM, or SIGKILL for a crash) and start again on the same dirs."""
+        self.stop(sig)
+        self.start()
+
+    # -- clients ----------------------------------------------------------------------
+
+    def ctr(self, namespace: str) -> Ctr:
+        return Ctr(
+            binary=self.version.ctr,
+            address=self.socket,
+            namespace=namespace,
+            runtime_type=self.runtime.runtime_type,
+        )
+
+    def cri(self) -> CriClient:
+        client = CriClient(self.socket, self.runtime.handler)
+        client.wait_ready()
+        return client
+
+    def import_images(self, namespace: str) -> None:
+        ctr = self.ctr(namespace)
+        ctr("images", "import", str(self.images.archive), timeout=120)
+        names = ctr("images", "ls", "-q").stdout.split()
+        missing = {self.images.busybox, self.images.pause} - set(names)
+        if missing:
+            raise ContainerdError(f"images missing after import into {namespace}: {missing}")
+
+    def shims(self, *, daemons_only: bool = True) -> list[procs.ShimProcess]:
+        """Shim processes whose command line names this containerd (-address). A
+        daemon forked from a template process may not show up here: use
+        `shim_daemons()` to find daemons by the socket they serve."""
+        return procs.shim_processes(address=str(self.socket), daemons_only=daemons_only)
+
+    def shim_address(self, namespace: str, cid: str) -> str | None:
+        """The ttrpc address containerd dials for this task: the bundle's `address`
+        file (written by the shim's `start`) or 2.x's `bootstrap.json`."""
+        bundle = self.bundle(namespace, cid)
+        with contextlib.suppress(OSError):
+            return (bundle / "address").read_text().strip()
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            return str(json.loads((bundle / "bootstrap.json").read_text())["address"])
+        return None
+
+    def shim_pids(self, namespace: str, cid: str) -> set[int]:
+        """Processes serving the task's shim socket (exactly one for a healthy shim)."""
+        address = self.shim_address(namespace, cid)
+        return procs.serving_pids(address) if address else set()
+
+    def shim_daemons(self) -> dict[int, set[tuple[str, str]]]:
+        """Every live shim daemon of this containerd -> the (namespace, id) tasks whose
+        bundles point at it."""
+        daemons: dict[int, set[tuple[str, str]]] = {}
+        for bundle in self.task_state_dir.glob("*/*"):
+            ns, cid = bundle.parent.name, bundle.name
+            for pid in self.shim_pids(ns, cid):
+                daemons.setdefault(pid, set()).add((ns, cid))
+        return daemons
+
+    # -- logs -------------------------------------------------------------------------
+
+    def log_offset(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def log_since(self, offset: int, limit: int = 200_000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            return ""
+        if len(data) > limit:
+            data = b"[... earlier lines cut ...]\n" + data[-limit:]
+        return data.decode(errors="replace")
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_since(0).splitlines()[-lines:])
+
+    # -- teardown ---------------------------------------------------------------------
+
+    def cleanup(self, *, keep_base: bool = False) -> list[str]:
+        """Remove everything this instance created, even after failures; returns notes
+        about what had to be forced (useful in a report, never raised)."""
+        notes: list[str] = []
+        # Found through the bundles, which containerd removes along with the tasks.
+        daemons = set(self.shim_daemons())
+        if self.running:
+            self._api_cleanup(notes)
+        daemons |= set(self.shim_daemons())
+        self.stop()
+        self._sweep_processes(notes, daemons)
+        self._sweep_runc_state(notes)
+        self._sweep_mounts(notes)
+        self._sweep_network()
+        self._sweep_cgroups()
+        if not keep_base:
+            subprocess.run(["rm", "-rf", "--one-file-system", str(self.base)], check=False)
+        return notes
+
+    def _api_cleanup(self, notes: list[str]) -> None:
+        deadline = time.monotonic() + 30
+        try:
+            client = CriClient(self.socket, self.runtime.handler)
+            try:
+                client.remove_all_pods()
+            finally:
+                client.close()
+        except Exception as exc:
+            notes.append(f"CRI cleanup: {exc!r}")
+        try:
+            namespaces = self.ctr("default")("namespaces", "ls", "-q", timeout=10).stdout.split()
+        except Exception as exc:
+            notes.append(f"ctr namespaces: {exc!r}")
+            return
+        for ns in namespaces:
+            ctr = self.ctr(ns)
+            try:
+                ids = ctr.containers()
+            except Exception as exc:
+                notes.append(f"ctr -n {ns} containers: {exc!r}")
+                continue
+            for cid in ids:
+                if time.monotonic() > deadline:
+                    notes.append("API cleanup ran out of time")
+                    return
+                if ns != CRI_NAMESPACE:
+                    notes.append(f"left behind: container {ns}/{cid}")
+                ctr.remove(cid)
+
+    def _sweep_processes(self, notes: list[str], daemons: set[int]) -> None:
+        shim_pids = daemons | {s.pid for s in self.shims(daemons_only=False)}
+        # A shim whose tasks were all deleted exits by itself shortly after; only the
+        # ones still up after a grace period are forced (and reported).
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: not any(procs.pid_alive(p) for p in shim_pids), timeout=3)
+        shim_pids = {p for p in shim_pids if procs.pid_alive(p)}
+        if not shim_pids:
+            return
+        victims = procs.descendants(shim_pids) | shim_pids
+        notes.append(
+            f"killed {len(shim_pids)} shim(s) and {len(victims) - len(shim_pids)} "
+            "container processes still running at teardown"
+        )
+        for pid in victims:
+            procs.kill_quietly(pid, signal.SIGKILL)
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: not any(procs.pid_alive(p) for p in victims), timeout=5)
+
+    def _sweep_runc_state(self, notes: list[str]) -> None:
+        """runc's state lives in a host-global root; delete what points at our bundles."""
+        if not RUNC_STATE_ROOT.is_dir():
+            return
+        prefix = str(self.state) + "/"
+        for root in RUNC_STATE_ROOT.iterdir():
+            proc = subprocess.run(
+                ["runc", "--root", str(root), "list", "--format", "json"],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=20,
+            )
+            if proc.returncode != 0:
+                continue
+            for entry in json.loads(proc.stdout or "null") or []:
+                if str(entry.get("bundle", "")).startswith(prefix):
+                    notes.append(f"runc delete --force {entry['id']} (root {root})")
+                    subprocess.run(
+                        ["runc", "--root", str(root), "delete", "--force", entry["id"]],
+                        capture_output=True,
+                        check=False,
+                        timeout=20,
+                    )
+        # Sockets of shims that were killed rather than shut down.
+        for addr_file in self.task_state_dir.glob("*/*/address"):
+            with contextlib.suppress(OSError):
+                addr = addr_file.read_text().strip().removeprefix("unix://")
+                if addr.startswith("/"):
+                    Path(addr).unlink(missing_ok=True)
+
+    def _sweep_mounts(self, notes: list[str]) -> None:
+        for point in procs.mounts_under(self.base):
+            if _libc.umount2(point.encode(), _MNT_DETACH) != 0:
+                notes.append(f"umount {point}: errno {ctypes.get_errno()}")
+
+    def _sweep_network(self) -> None:
+        # The bridge is created by the first CNI pod and outlives the pods.
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+
+    def _sweep_cgroups(self) -> None:
+        """Empty cgroup directories left by runc's parents (namespace/pod level)."""
+        tops = [CGROUP_PARENT_ROOT.strip("/")] + [
+            ns.name for ns in self.task_state_dir.glob("*") if ns.name != CRI_NAMESPACE
+        ]
+        for controller in Path("/sys/fs/cgroup").iterdir():
+            for top in tops:
+                base = controller / top
+                if not base.is_dir():
+                    continue
+                for dirpath, _dirs, _files in sorted(
+                    os.walk(base), key=lambda t: t[0].count("/"), reverse=True
+                ):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(dirpath)
+
+
+def make_containerd(
+    version: ContainerdVersion,
+    runtime: Runtime,
+    images: TestImages,
+    parent: Path,
+    namespaces: tuple[str, ...],
+) -> Containerd:
+    """Create, start and load images into a containerd; on any failure, clean up and
+    re-raise (a fixture that fails half-way must not leak a daemon)."""
+    for binary in (version.containerd, version.ctr, version.runc_shim, CRIU):
+        if not os.access(binary, os.X_OK):
+            raise ContainerdError(f"{binary} missing or not executable: run `make setup`")
+    shim = runtime.shim_path(version)
+    if not os.access(shim, os.X_OK):
+        raise ContainerdError(
+            f"runtime {runtime.handler}: shim {shim} missing (pip install -e . in the venv?)"
+        )
+    parent.mkdir(parents=True, exist_ok=True)
+    base = Path(
+        subprocess.run(
+            ["mktemp", "-d", "-p", str(parent), f"{version.id}-XXXX"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    instance = Containerd(version, runtime, base, images)
+    try:
+        instance.start()
+        for ns in namespaces:
+            instance.import_images(ns)
+    except BaseException:
+        instance.cleanup(keep_base=True)
+        raise
+    return instance
