@@ -56,6 +56,7 @@ SOURCES: dict[str, str] = {
     "local/ttrpc_request.proto": "ttrpc/request.proto",
     "local/google_rpc_status.proto": "google_rpc/status.proto",
     "local/bootstrap.proto": "containerd/bootstrap.proto",
+    "local/cedana.proto": "cedana/v1/cedana.proto",
 }
 # import spellings used upstream that are not the canonical SOURCES keys
 ALIASES = {"google/rpc/status.proto": "local/google_rpc_status.proto"}

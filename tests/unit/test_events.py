@@ -23,7 +23,7 @@ def test_envelope_is_what_containerd_validates() -> None:
 
 
 def test_every_task_event_has_a_topic() -> None:
-    names = {t.DESCRIPTOR.name for t in TOPICS}
+    names = {t.DESCRIPTOR.name for t in TOPICS if t.DESCRIPTOR.full_name.startswith("containerd.")}
     assert names == {
         "TaskCreate", "TaskStart", "TaskExit", "TaskDelete", "TaskOOM", "TaskExecAdded",
         "TaskExecStarted", "TaskPaused", "TaskResumed", "TaskCheckpointed",

@@ -18,7 +18,7 @@ from ..runtime.reaper import Reaper, set_child_subreaper
 from ..task.events import Publisher
 from ..task.oom import OomWatcher
 from ..task.options import decode_start_stdin, parse_runtime_options
-from ..task.service import SERVICE_NAME, TaskService
+from ..task.service import CEDANA_SERVICE_NAME, SERVICE_NAME, TaskService
 from ..ttrpc.server import Server
 from .args import ShimArgs
 
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 LISTENER_FD = 3
 SHUTDOWN_GRACE = 2.0
+COMMIT_DRAIN_TIMEOUT = 600.0  # a stopped container's checkpoint may still be compressing
 
 
 def run_daemon(args: ShimArgs, start_stdin: bytes) -> int:
@@ -86,7 +87,9 @@ async def _serve(args: ShimArgs, start_stdin: bytes) -> int:
         service = TaskService(
             args.namespace, publisher, reaper, debug=args.debug, oom=oom, on_shutdown=stop.set
         )
-        server = Server({SERVICE_NAME: service.methods()})
+        server = Server(
+            {SERVICE_NAME: service.methods(), CEDANA_SERVICE_NAME: service.cedana_methods()}
+        )
         listener = _listener(args)
         socket_path = listener.getsockname()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -100,6 +103,7 @@ async def _serve(args: ShimArgs, start_stdin: bytes) -> int:
         serving.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await serving
+        await service.drain(COMMIT_DRAIN_TIMEOUT)
     if isinstance(socket_path, str) and socket_path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(socket_path)

@@ -13,12 +13,16 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..bundle_state import BundleState
-from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from ..checkpoint import criu_config
+from ..checkpoint.pipeline import Target
+from ..checkpoint.rootfs_diff import upperdir_of
+from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ShimError
 from ..runtime.console import ConsoleSocket
 from ..runtime.mount import Mount, mount_all, unmount_all
 from ..runtime.reaper import Child, Reaper
@@ -32,6 +36,7 @@ from ..runtime.runc import (
     read_pid_file,
 )
 from .cgroups import Cgroup, load_cgroup
+from .checkpointing import Checkpointing
 from .options import RuntimeOptions
 from .process import ExitInfo, Process, State
 from .stdio import LOGGER_READY_TIMEOUT, LOGGER_STOP_GRACE, ProcessIO, StdioConfig
@@ -91,6 +96,8 @@ class Container:
     logger: Child | None = None
     rootfs_mounted: bool = False
     pending_init_exit: ExitInfo | None = None
+    cr: Checkpointing | None = None  # set when the container opted in to checkpoints
+    restore_images: str = ""  # CRIU images Start restores from (restore pending)
 
     @property
     def id(self) -> str:
@@ -103,8 +110,15 @@ class Container:
     # -- create / start --------------------------------------------------------------
 
     @classmethod
-    async def create(cls, config: CreateConfig, reaper: Reaper, *, debug: bool) -> Container:
-        spec = _load_spec(config.bundle, config.id)
+    async def create(
+        cls,
+        config: CreateConfig,
+        reaper: Reaper,
+        *,
+        debug: bool,
+        spec: dict[str, Any],
+        cr: Checkpointing | None = None,
+    ) -> Container:
         opts = config.options
         state = BundleState(
             opts.binary_name, os.path.join(opts.root, config.namespace), opts.systemd_cgroup
@@ -125,7 +139,13 @@ class Container:
             spec=spec,
             init=Process(config.id, ""),
             io=ProcessIO(config.id, config.stdio, opts.io_uid, opts.io_gid),
+            cr=cr,
         )
+        if cr is not None and not criu_config.annotate_spec(config.bundle, spec):
+            log.warning(
+                "the spec names its own CRIU config; cedana's CRIU options are not applied",
+                extra={"container": config.id},
+            )
         try:
             await container._create()
         except BaseException:
@@ -134,15 +154,32 @@ class Container:
         return container
 
     async def _create(self) -> None:
-        rootfs = os.path.join(self.bundle, "rootfs")
         if self.config.rootfs:
-            os.makedirs(rootfs, mode=0o711, exist_ok=True)
-            await asyncio.to_thread(mount_all, self.config.rootfs, rootfs)
+            os.makedirs(self.rootfs, mode=0o711, exist_ok=True)
+            await asyncio.to_thread(mount_all, self.config.rootfs, self.rootfs)
             self.rootfs_mounted = True
         if self.config.checkpoint:
-            # Nothing runs until Start, which restores from the images.
+            # containerd's own restore (ctr restore): Start restores from these images.
+            self.restore_images = self.config.checkpoint
             self.init.state = State.RESTORE_PENDING
             return
+        if self.cr is not None:
+            plan = await self.cr.first_plan(
+                bundle=self.bundle, rootfs=self.rootfs, spec=self.spec,
+                network=await self._network_facts(), reset=self._reset_rootfs,
+            )  # fmt: skip
+            if plan is not None:
+                self.restore_images = plan.image_dir
+                self.init.state = State.RESTORE_PENDING
+                return
+            self.cr.report_restore(restored=False)
+        await self._runc_create()
+
+    @property
+    def rootfs(self) -> str:
+        return os.path.join(self.bundle, "rootfs")
+
+    async def _runc_create(self) -> None:
         await self._run_with_stdio(
             self.io,
             lambda console, stdio: self.runc.create(
@@ -159,6 +196,36 @@ class Container:
         )
         self.init.pid = read_pid_file(self._pid_file())
         self._load_cgroup()
+
+    async def _network_facts(self) -> Any:
+        """The pod network the new container joins (compared with the checkpoint's)."""
+        from ..checkpoint.netinfo import network_facts
+
+        for ns in (self.spec.get("linux") or {}).get("namespaces") or []:
+            if isinstance(ns, dict) and ns.get("type") == "network" and ns.get("path"):
+                try:
+                    return await asyncio.to_thread(network_facts, str(ns["path"]))
+                except Exception as err:  # noqa: BLE001 - advisory
+                    log.warning("no network facts", extra={"container": self.id,
+                                                           "error": str(err)})  # fmt: skip
+        return {}
+
+    def _reset_rootfs(self) -> None:
+        """Back to the image's pristine rootfs: a restore that failed half-way
+        must not leave its files behind for the next candidate or a cold start."""
+        upper = upperdir_of(self.config.rootfs)
+        if upper is None or not self.rootfs_mounted:
+            return
+        unmount_all(self.rootfs)
+        self.rootfs_mounted = False
+        for name in os.listdir(upper):
+            path = os.path.join(upper, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        mount_all(self.config.rootfs, self.rootfs)
+        self.rootfs_mounted = True
 
     def _pid_file(self) -> str:
         return os.path.join(self.bundle, "init.pid")
@@ -235,33 +302,96 @@ class Container:
                 raise FailedPrecondition(f"container {self.id} exited before it was started")
             self.init.check("start")
             if self.init.state is State.RESTORE_PENDING:
-                await self._restore()
+                await self._start_restoring()
             else:
                 await self.runc.start(self.id)
             if self.init.exit is None:
                 self.init.commit("start")
+            if self.cr is not None:
+                self.cr.start_periodic(self.target_if_running)
             return self.init.pid
 
-    async def _restore(self) -> None:
+    async def _start_restoring(self) -> None:
+        if self.cr is None:
+            await self._restore(self.restore_images, keep_tcp=True)
+            return
+        while self.cr.plan is not None:
+            try:
+                await self._restore(self.restore_images, keep_tcp=self.cr.plan.keep_tcp)
+            except (ShimError, OSError) as err:
+                log.warning("restore failed", extra={"container": self.id, "error": str(err)})
+                self.cr.restore_failed(err)
+                with contextlib.suppress(ShimError, OSError):
+                    await self.runc.delete(self.id, force=True)
+                await asyncio.to_thread(self._reset_rootfs)
+                plan = await self.cr.next_plan(
+                    bundle=self.bundle, rootfs=self.rootfs, spec=self.spec,
+                    network=await self._network_facts(), reset=self._reset_rootfs,
+                )  # fmt: skip
+                self.restore_images = plan.image_dir if plan is not None else ""
+                continue
+            self.cr.report_restore(restored=True)
+            return
+        self.cr.report_restore(restored=False)
+        await self._runc_create()
+        await self.runc.start(self.id)
+
+    async def _restore(self, images: str, *, keep_tcp: bool) -> None:
         work = self.config.options.criu_work_path or os.path.join(self.bundle, "work")
-        await self._run_with_stdio(
-            self.io,
-            lambda console, stdio: self.runc.restore(
-                self.id,
-                RestoreOpts(
-                    bundle=self.bundle,
-                    image_path=self.config.checkpoint,
-                    work_path=work,
-                    pid_file=self._pid_file(),
-                    console_socket=console,
-                    no_pivot=self.config.options.no_pivot_root,
-                    shell_job=self.io.config.terminal,
-                    stdio=stdio,
+        if self.cr is not None:
+            criu_config.write(
+                self.bundle, criu_config.restore_options(self.cr.config, keep_tcp=keep_tcp)
+            )
+            work = os.path.join(os.path.dirname(images), "criu-work")
+            timeout: float | None = self.cr.config.restore_timeout
+        else:
+            timeout = None
+        # Every attempt gets fresh pipes: a failed one closed its own.
+        self.io = ProcessIO(self.id, self.config.stdio, *self._io_owner())
+        async with asyncio.timeout(timeout):
+            await self._run_with_stdio(
+                self.io,
+                lambda console, stdio: self.runc.restore(
+                    self.id,
+                    RestoreOpts(
+                        bundle=self.bundle,
+                        image_path=images,
+                        work_path=work,
+                        pid_file=self._pid_file(),
+                        console_socket=console,
+                        no_pivot=self.config.options.no_pivot_root,
+                        shell_job=self.io.config.terminal,
+                        tcp_established=self.cr is not None and keep_tcp
+                        and self.cr.config.tcp_established,
+                        ext_unix_sk=self.cr is not None,
+                        file_locks=self.cr is not None and self.cr.config.file_locks,
+                        stdio=stdio,
+                    ),
                 ),
-            ),
-        )
+            )
         self.init.pid = read_pid_file(self._pid_file())
         self._load_cgroup()
+
+    def _io_owner(self) -> tuple[int, int]:
+        return self.config.options.io_uid, self.config.options.io_gid
+
+    def target(self) -> Target:
+        """This container as the checkpoint pipeline sees it."""
+        assert self.cr is not None
+        return Target(
+            container_id=self.id,
+            bundle=self.bundle,
+            namespace=self.config.namespace,
+            policy=self.cr.policy,
+            spec=self.spec,
+            rootfs=self.config.rootfs,
+            pid=self.init.pid,
+            terminal=self.io.config.terminal,
+            runc=self.runc,
+        )
+
+    def target_if_running(self) -> Target | None:
+        return self.target() if self.init.state is State.RUNNING else None
 
     # -- execs -----------------------------------------------------------------------
 
@@ -335,9 +465,24 @@ class Container:
             except ProcessLookupError:
                 raise NotFound(f"exec {exec_id} of container {self.id} already exited") from None
             return
+        cr = self.cr
+        if cr is not None and sig == signal.SIGKILL and cr.stopping():
+            # SIGKILL wins over a checkpoint in progress: abort it (nothing of it is
+            # ever committed), thaw what CRIU froze, then kill.
+            await cr.abort_stop()
+            with contextlib.suppress(ShimError):
+                await self.runc.resume(self.id)
         async with self.init.lock:
             self.init.check("kill")
+            running = self.init.state in (State.RUNNING, State.PAUSED)
+            if cr is not None and running and not all_processes and cr.wants_stop_checkpoint(sig):
+                cr.begin_stop(self.target(), sig, self._kill_after_failed_checkpoint)
+                return
             await self.runc.kill(self.id, sig, all=all_processes)
+
+    async def _kill_after_failed_checkpoint(self, sig: int) -> None:
+        with contextlib.suppress(NotFound):
+            await self.runc.kill(self.id, sig)
 
     async def pause(self) -> None:
         async with self.init.lock:
@@ -376,6 +521,21 @@ class Container:
             io.close_stdin()
 
     async def checkpoint(self, config: CheckpointConfig) -> None:
+        """The Task API's Checkpoint: images into ``config.image_path`` for containerd.
+
+        For an opted-in container it goes through the cedana pipeline, so the
+        checkpoint also lands in the node's store.
+        """
+        if self.cr is not None:
+            self.init.check("checkpoint")
+            await self.cr.checkpoint(
+                self.target(),
+                reason="task-api",
+                leave_running=not config.exit,
+                freeze=False,  # containerd's client pauses the task itself
+                mirror_to=config.image_path,
+            )
+            return
         async with self.init.lock:
             self.init.check("checkpoint")
             await self.runc.checkpoint(
@@ -409,6 +569,9 @@ class Container:
     # -- delete ----------------------------------------------------------------------
 
     async def delete(self) -> ExitInfo:
+        if self.cr is not None:
+            self.cr.stop_periodic()
+            await self.cr.wait_stop()  # the rootfs diff is read before the unmount
         async with self.init.lock:
             self.init.check("delete")
             if self.init.state is not State.RESTORE_PENDING:
@@ -448,7 +611,7 @@ class Container:
             await self._release()
 
 
-def _load_spec(bundle: str, container_id: str) -> dict[str, Any]:
+def load_spec(bundle: str, container_id: str) -> dict[str, Any]:
     try:
         with open(os.path.join(bundle, "config.json"), "rb") as f:
             spec = json.load(f)

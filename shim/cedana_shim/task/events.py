@@ -19,6 +19,7 @@ from google.protobuf.any_pb2 import Any
 from google.protobuf.empty_pb2 import Empty
 from google.protobuf.message import Message
 
+from ..api.cedana.v1 import cedana_pb2 as cedana_ev
 from ..api.containerd.events import task_pb2 as ev
 from ..api.containerd.services.ttrpc_events_pb2 import Envelope, ForwardRequest
 from ..errors import ShimError
@@ -37,6 +38,9 @@ TOPICS: dict[type[Message], str] = {
     ev.TaskPaused: "/tasks/paused",
     ev.TaskResumed: "/tasks/resumed",
     ev.TaskCheckpointed: "/tasks/checkpointed",
+    cedana_ev.CheckpointCommitted: "/cedana/checkpoint/committed",
+    cedana_ev.CheckpointFailed: "/cedana/checkpoint/failed",
+    cedana_ev.RestoreOutcome: "/cedana/restore",
 }
 EVENTS_SERVICE = "containerd.services.events.ttrpc.v1.Events"
 QUEUE_LIMIT = 2048

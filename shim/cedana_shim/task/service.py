@@ -21,6 +21,7 @@ from google.protobuf.empty_pb2 import Empty
 from google.protobuf.message import Message
 
 from .. import __version__
+from ..api.cedana.v1 import cedana_pb2 as cedana_pb
 from ..api.containerd.events import task_pb2 as ev
 from ..api.containerd.runc import options_pb2 as runc_pb
 from ..api.containerd.task.v2 import shim_pb2 as pb
@@ -29,7 +30,9 @@ from ..errors import FailedPrecondition, InvalidArgument, NotFound
 from ..runtime.mount import Mount
 from ..runtime.reaper import Exit, Reaper
 from ..ttrpc.server import CallContext, Method
-from .container import CheckpointConfig, Container, CreateConfig, ExecConfig
+from ..checkpoint.policy import policy_for
+from .checkpointing import CheckpointManager, require_enabled
+from .container import CheckpointConfig, Container, CreateConfig, ExecConfig, load_spec
 from .events import EventSender
 from .oom import OomWatcher
 from .options import parse_runtime_options, type_name
@@ -40,6 +43,7 @@ from .stdio import StdioConfig
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "containerd.task.v2.Task"
+CEDANA_SERVICE_NAME = "cedana.shim.v1.Checkpoint"
 STATUS = {
     State.CREATED: types.CREATED,
     State.RESTORE_PENDING: types.CREATED,
@@ -75,11 +79,35 @@ class TaskService:
         self.reaper = reaper
         self.debug = debug
         self.oom = oom
+        self.checkpoints = CheckpointManager(events)
         self.containers: dict[str, Container] = {}
         self._on_shutdown = on_shutdown
         self._exit_tasks: set[asyncio.Task[None]] = set()
         self._exiting: set[int] = set()  # id() of processes whose exit is being handled
         reaper.subscribe(self._on_exit)
+
+    def cedana_methods(self) -> Mapping[str, Method[Any]]:
+        return {"Checkpoint": Method(cedana_pb.CheckpointRequest, self.cedana_checkpoint)}
+
+    async def cedana_checkpoint(
+        self, req: cedana_pb.CheckpointRequest, _: CallContext
+    ) -> cedana_pb.CheckpointResponse:
+        container = self.container(req.container_id)
+        cr = require_enabled(container.cr, req.container_id)
+        if container.init.state is not State.RUNNING:
+            raise FailedPrecondition(
+                f"cannot checkpoint container {req.container_id}: it is "
+                f"{container.init.state.value}"
+            )
+        entry = await cr.checkpoint(
+            container.target(), reason="manual", leave_running=req.leave_running
+        )
+        return cedana_pb.CheckpointResponse(
+            checkpoint_id=entry.id, label=entry.label, scope=entry.scope, size=entry.size
+        )
+
+    async def drain(self, timeout: float) -> None:
+        await self.checkpoints.drain(timeout)
 
     def methods(self) -> Mapping[str, Method[Any]]:
         def m(request_type: type[Message], handler: Any) -> Method[Any]:
@@ -143,8 +171,15 @@ class TaskService:
         return pb.CreateTaskResponse(pid=pid)
 
     async def task_create(self, config: CreateConfig) -> int:
+        spec = load_spec(config.bundle, config.id)
+        policy = policy_for(spec, config.id, self.namespace)
+        cr = None
+        if policy.enabled:
+            cr = self.checkpoints.for_container(config.id, policy, config.options.config_path)
         with self.reaper.collect() as early:
-            container = await Container.create(config, self.reaper, debug=self.debug)
+            container = await Container.create(
+                config, self.reaper, debug=self.debug, spec=spec, cr=cr
+            )
         self.containers[config.id] = container
         self._replay(early, container.init)
         self._watch_oom(container)
@@ -367,7 +402,10 @@ class TaskService:
             return
         if container.needs_kill_all_on_exit():
             await container.kill_all()
-        info = ExitInfo(ex.status, ex.timestamp)
+        status = ex.status
+        if container.cr is not None and container.cr.stop_signal is not None:
+            status = 128 + container.cr.stop_signal  # stopped by its checkpoint-on-stop
+        info = ExitInfo(status, ex.timestamp)
         if container.running_execs():
             container.pending_init_exit = info  # published after the last exec's
             return

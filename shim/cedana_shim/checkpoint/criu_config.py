@@ -1,0 +1,79 @@
+"""The CRIU configuration file runc hands to CRIU for an opted-in container.
+
+runc has flags for only some CRIU options; for the rest it reads the file named
+by the ``org.criu.config`` annotation in the container's config.json (settings
+there override runc's own RPC options). The shim points that annotation at
+``<bundle>/cedana-criu.conf`` when it creates an opted-in container and rewrites
+the file before every dump and restore with what that operation needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ..config import NodeConfig
+
+ANNOTATION = "org.criu.config"
+FILE_NAME = "cedana-criu.conf"
+
+
+def config_path(bundle: str) -> str:
+    return os.path.join(bundle, FILE_NAME)
+
+
+def dump_options(config: NodeConfig) -> list[str]:
+    """Options runc has no flag for (tcp-established, ext-unix-sk and file-locks go
+    through runc's own flags)."""
+    return [
+        # Files unlinked while open (common in pods: log rotation, temp files).
+        "link-remap",
+        # Data still in flight on half-open connections is not ours to save.
+        "skip-in-flight",
+        *_extra(config),
+    ]
+
+
+def restore_options(config: NodeConfig, *, keep_tcp: bool) -> list[str]:
+    # Established connections survive only when the pod kept its IP; otherwise
+    # CRIU closes them cleanly and the application sees a reset, not a hang.
+    tcp = [] if keep_tcp and config.tcp_established else ["tcp-close"]
+    return [*tcp, *_extra(config)]
+
+
+def _extra(config: NodeConfig) -> list[str]:
+    return [line.strip() for line in config.criu_config_extra.splitlines() if line.strip()]
+
+
+def write(bundle: str, options: list[str]) -> str:
+    path = config_path(bundle)
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(f"{option}\n" for option in options))
+    os.rename(tmp, path)
+    return path
+
+
+def annotate_spec(bundle: str, spec: dict[str, Any]) -> bool:
+    """Point the bundle's config.json at our CRIU config; False if the user set their own."""
+    annotations = spec.setdefault("annotations", {})
+    if not isinstance(annotations, dict):
+        return False
+    if ANNOTATION in annotations and annotations[ANNOTATION] != config_path(bundle):
+        return False
+    annotations[ANNOTATION] = config_path(bundle)
+    _rewrite_spec(bundle, spec)
+    return True
+
+
+def _rewrite_spec(bundle: str, spec: Mapping[str, Any]) -> None:
+    path = os.path.join(bundle, "config.json")
+    tmp = path + ".cedana.tmp"
+    st = os.stat(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, st.st_mode & 0o777)
+    with os.fdopen(fd, "w") as f:
+        json.dump(spec, f)
+    os.rename(tmp, path)

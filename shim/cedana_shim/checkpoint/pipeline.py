@@ -1,0 +1,246 @@
+"""The checkpoint pipeline: dump a container into the store.
+
+Two phases, so that a stopping container's exit is not held up by
+compression: :meth:`Pipeline.dump` runs CRIU (through runc) straight into a
+staging area on the store's filesystem and captures the rootfs diff and the
+pod's /dev/shm; :meth:`Pipeline.commit` compresses, writes and atomically
+publishes the checkpoint. Anything that fails or is cancelled before the
+commit leaves nothing a restore could pick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import platform
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import __version__
+from ..config import NodeConfig
+from ..runtime.mount import Mount
+from ..runtime.reaper import Reaper
+from ..runtime.runc import CheckpointOpts, Runc
+from . import criu_config
+from .netinfo import network_facts
+from .policy import Policy
+from .rootfs_diff import capture, capture_dir, upperdir_of
+from .store import Entry, Ingest, Store
+
+log = logging.getLogger(__name__)
+
+CRIU_LAYER = "criu"
+ROOTFS_LAYER = "rootfs-diff"
+SHM_LAYER = "shm"
+MEDIA_TYPES = {
+    CRIU_LAYER: "application/vnd.cedana.checkpoint.criu.v1.tar+zstd",
+    ROOTFS_LAYER: "application/vnd.cedana.checkpoint.rootfs-diff.v1.tar+zstd",
+    SHM_LAYER: "application/vnd.cedana.checkpoint.shm.v1.tar+zstd",
+}
+# Container paths never captured from the writable layer: kernel filesystems
+# and everything runc bind-mounts in (their content is not the layer's).
+ALWAYS_EXCLUDED = ("/proc", "/sys", "/dev")
+METADATA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What the pipeline needs to know about the container it checkpoints."""
+
+    container_id: str
+    bundle: str
+    namespace: str  # containerd's
+    policy: Policy
+    spec: Mapping[str, Any]
+    rootfs: tuple[Mount, ...]
+    pid: int
+    terminal: bool
+    runc: Runc
+
+
+def spec_mounts(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return [m for m in spec.get("mounts") or [] if isinstance(m, Mapping)]
+
+
+def excluded_paths(spec: Mapping[str, Any]) -> list[str]:
+    destinations = [str(m.get("destination", "")) for m in spec_mounts(spec)]
+    return sorted({*ALWAYS_EXCLUDED, *(d for d in destinations if d.startswith("/"))})
+
+
+def shm_source(spec: Mapping[str, Any]) -> str | None:
+    """The host directory behind the container's /dev/shm when it is a bind mount
+    (the CRI shares the sandbox's shm between a pod's containers); CRIU saves a
+    tmpfs it mounts itself, but not a bind mount's content."""
+    for m in spec_mounts(spec):
+        options = m.get("options") or []
+        if m.get("destination") == "/dev/shm" and ("bind" in options or "rbind" in options):
+            source = m.get("source")
+            if isinstance(source, str) and os.path.isdir(source):
+                return source
+    return None
+
+
+@dataclass
+class Versions:
+    """Tool versions recorded in every checkpoint; asked once per daemon."""
+
+    values: dict[str, str] = field(default_factory=dict)
+
+    async def get(self, runc: Runc) -> dict[str, str]:
+        if not self.values:
+            self.values = {
+                "kernel": platform.release(),
+                "arch": platform.machine(),
+                "shim": __version__,
+                "runc": await _first_line(runc.reaper, runc.binary, "--version"),
+                "criu": await _first_line(runc.reaper, "criu", "--version"),
+            }
+        return self.values
+
+
+async def _first_line(reaper: Reaper, *argv: str) -> str:
+    """First line a tool prints about its version; never fails the checkpoint."""
+    fd = os.memfd_create("version", os.MFD_CLOEXEC)
+    try:
+        await reaper.spawn(argv, stdout=fd).wait()
+        out = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        return out.splitlines()[0] if out else ""
+    except OSError as err:
+        return f"unknown ({err.strerror})"
+    finally:
+        os.close(fd)
+
+
+class Pipeline:
+    def __init__(self, store: Store, config: NodeConfig) -> None:
+        self.store = store
+        self.config = config
+        self.versions = Versions()
+
+    async def dump(
+        self,
+        target: Target,
+        *,
+        reason: str,
+        leave_running: bool,
+        freeze: bool = False,
+        mirror_to: str = "",
+    ) -> Ingest:
+        """CRIU dump + rootfs diff into a staging area; the caller commits or aborts.
+
+        ``freeze`` pauses a container that keeps running for the dump and the
+        file capture, so memory and files are saved at the same instant.
+        ``mirror_to`` also leaves a copy of the CRIU images there (the Task API's
+        checkpoint path, which containerd archives itself).
+        """
+        started = time.monotonic()
+        metadata = await self._metadata(target, reason)
+        ingest = await asyncio.to_thread(
+            self.store.begin, scope=target.policy.scope, label=target.policy.label,
+            metadata=metadata,
+        )  # fmt: skip
+        paused = False
+        try:
+            criu_config.write(target.bundle, criu_config.dump_options(self.config))
+            criu_dir = ingest.dir(CRIU_LAYER)
+            if freeze and leave_running:
+                await target.runc.pause(target.container_id)
+                paused = True
+            await target.runc.checkpoint(
+                target.container_id,
+                CheckpointOpts(
+                    image_path=criu_dir,
+                    work_path=ingest.dir("criu-work"),
+                    leave_running=leave_running,
+                    tcp_established=self.config.tcp_established,
+                    ext_unix_sk=True,
+                    file_locks=self.config.file_locks,
+                    shell_job=target.terminal,
+                ),
+            )
+            dumped = time.monotonic()
+            await asyncio.to_thread(self._capture_files, target, ingest)
+            if paused:
+                paused = False
+                await target.runc.resume(target.container_id)
+            if mirror_to:
+                await asyncio.to_thread(_mirror, criu_dir, mirror_to)
+            ingest.add_dir_layer(CRIU_LAYER, criu_dir, MEDIA_TYPES[CRIU_LAYER])
+            ingest.set_metadata(
+                timings={"dump_s": round(dumped - started, 3),
+                         "files_s": round(time.monotonic() - dumped, 3)},
+            )  # fmt: skip
+            return ingest
+        except BaseException:
+            if paused:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(target.runc.resume(target.container_id))
+            await asyncio.shield(asyncio.to_thread(self.store.abort, ingest))
+            raise
+
+    def _capture_files(self, target: Target, ingest: Ingest) -> None:
+        upper = upperdir_of(target.rootfs)
+        if upper is not None:
+            path = os.path.join(ingest.path, "rootfs-diff.tar")
+            stats = capture(upper, path, exclude=excluded_paths(target.spec))
+            ingest.add_file_layer(ROOTFS_LAYER, path, MEDIA_TYPES[ROOTFS_LAYER])
+            ingest.set_metadata(rootfs_diff={"files": stats.files, "deletions": stats.deletions,
+                                             "bytes": stats.bytes})  # fmt: skip
+        else:
+            log.warning(
+                "rootfs is not an overlay: its changes are not saved",
+                extra={"container": target.container_id},
+            )
+        shm = shm_source(target.spec)
+        if shm is not None:
+            path = os.path.join(ingest.path, "shm.tar")
+            capture_dir(shm, path)
+            ingest.add_file_layer(SHM_LAYER, path, MEDIA_TYPES[SHM_LAYER])
+
+    async def commit(self, ingest: Ingest) -> Entry:
+        try:
+            return await asyncio.to_thread(self.store.commit, ingest)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(asyncio.to_thread(self.store.abort, ingest))
+            raise
+
+    async def _metadata(self, target: Target, reason: str) -> dict[str, Any]:
+        policy = target.policy
+        try:
+            network: Any = await asyncio.to_thread(network_facts, f"/proc/{target.pid}/ns/net")
+        except Exception as err:  # noqa: BLE001 - facts are advisory
+            log.warning("no network facts", extra={"container": target.container_id,
+                                                   "error": str(err)})  # fmt: skip
+            network = {}
+        return {
+            "metadataVersion": METADATA_VERSION,
+            "reason": reason,
+            "namespace": policy.scope,
+            "containerdNamespace": target.namespace,
+            "containerId": target.container_id,
+            "pod": policy.pod,
+            "container": policy.container,
+            "image": policy.image,
+            "node": platform.node(),
+            "versions": await self.versions.get(target.runc),
+            "network": network,
+            "terminal": target.terminal,
+            "mounts": [str(m.get("destination")) for m in spec_mounts(target.spec)],
+        }
+
+
+def _mirror(src: str, dest: str) -> None:
+    """Hard-link (or copy, across filesystems) the CRIU images into ``dest``."""
+    os.makedirs(dest, exist_ok=True)
+    for name in os.listdir(src):
+        source, target = os.path.join(src, name), os.path.join(dest, name)
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)

@@ -1,0 +1,98 @@
+"""Who opts in, under which label and scope; bad labels fail loudly."""
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cedana_shim.checkpoint.policy import (
+    LABEL_MAX,
+    Mode,
+    parse_duration,
+    policy_for,
+    validate_label,
+)
+from cedana_shim.errors import InvalidArgument
+
+
+def spec(env: list[str] | None = None, **annotations: str) -> dict[str, Any]:
+    return {"process": {"env": env or ["PATH=/bin"]}, "annotations": annotations}
+
+
+def test_unlabelled_container_is_off() -> None:
+    assert policy_for(spec(), "c1", "default").mode is Mode.OFF
+
+
+def test_env_label_means_checkpoint_on_stop_and_restore() -> None:
+    p = policy_for(spec(["CEDANA_CHECKPOINT=train-1"]), "c1", "default")
+    assert (p.mode, p.label, p.scope, p.interval) == (Mode.AUTO, "train-1", "default", None)
+
+
+def test_kubernetes_namespace_is_the_scope() -> None:
+    s = spec(
+        ["CEDANA_CHECKPOINT=x"],
+        **{
+            "io.kubernetes.cri.sandbox-namespace": "team-a",
+            "io.kubernetes.cri.container-name": "trainer",
+            "io.kubernetes.cri.sandbox-name": "pod-1",
+        },
+    )
+    p = policy_for(s, "c1", "k8s.io")
+    assert (p.scope, p.container, p.pod) == ("team-a", "trainer", "pod-1")
+
+
+def test_annotation_label_and_interval() -> None:
+    s = spec(**{"cedana.ai/checkpoint": "lbl", "cedana.ai/checkpoint-interval": "10m"})
+    p = policy_for(s, "c1", "default")
+    assert (p.mode, p.label, p.interval) == (Mode.AUTO, "lbl", 600.0)
+
+
+def test_enable_without_label_is_manual_under_the_container_name() -> None:
+    p = policy_for(spec(["CEDANA_ENABLE=1"]), "ctr-7", "default")
+    assert (p.mode, p.label) == (Mode.MANUAL, "ctr-7")
+
+
+def test_pause_container_never_takes_part() -> None:
+    s = spec(["CEDANA_CHECKPOINT=x"], **{"io.kubernetes.cri.container-type": "sandbox"})
+    assert policy_for(s, "c1", "k8s.io").mode is Mode.OFF
+
+
+@pytest.mark.parametrize(
+    "label, rule",
+    [
+        ("", "empty"),
+        ("a" * (LABEL_MAX + 1), "over"),
+        ("a/b", "path separator"),
+        ("..", "'..'"),
+        ("a..b", "'..'"),
+        ("bad\nlabel", "control"),
+        ("sp ace", "outside"),
+    ],
+)
+def test_invalid_labels_name_the_label_and_the_rule(label: str, rule: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        policy_for(spec([f"CEDANA_CHECKPOINT={label}"]), "c1", "default")
+    assert rule in str(info.value)
+    assert repr(label) in str(info.value)
+    assert "CEDANA_CHECKPOINT" in str(info.value)
+
+
+@given(st.text(alphabet="abcXYZ019._-", min_size=1, max_size=LABEL_MAX))
+def test_valid_labels_pass_unchanged(label: str) -> None:
+    if ".." in label:
+        return
+    assert validate_label(label, "test") == label
+
+
+@pytest.mark.parametrize(
+    "text, seconds", [("90s", 90), ("10m", 600), ("1h30m", 5400), ("45", 45), ("1.5m", 90)]
+)
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text, "test") == seconds
+
+
+@pytest.mark.parametrize("text", ["", "10x", "m10", "5s", "1h 2m", "-10m"])
+def test_bad_or_too_short_durations(text: str) -> None:
+    with pytest.raises(InvalidArgument):
+        parse_duration(text, "test")
