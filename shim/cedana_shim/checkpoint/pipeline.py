@@ -141,9 +141,11 @@ class Pipeline:
         started = time.monotonic()
         metadata = await self._metadata(target, reason)
         ingest = await asyncio.to_thread(
-            self.store.begin, scope=target.policy.scope, label=target.policy.label,
+            self.store.begin,
+            scope=target.policy.scope,
+            label=target.policy.label,
             metadata=metadata,
-        )  # fmt: skip
+        )
         paused = False
         try:
             criu_config.write(target.bundle, criu_config.dump_options(self.config))
@@ -172,9 +174,11 @@ class Pipeline:
                 await asyncio.to_thread(_mirror, criu_dir, mirror_to)
             ingest.add_dir_layer(CRIU_LAYER, criu_dir, MEDIA_TYPES[CRIU_LAYER])
             ingest.set_metadata(
-                timings={"dump_s": round(dumped - started, 3),
-                         "files_s": round(time.monotonic() - dumped, 3)},
-            )  # fmt: skip
+                timings={
+                    "dump_s": round(dumped - started, 3),
+                    "files_s": round(time.monotonic() - dumped, 3),
+                },
+            )
             return ingest
         except BaseException:
             if paused:
@@ -189,8 +193,13 @@ class Pipeline:
             path = os.path.join(ingest.path, "rootfs-diff.tar")
             stats = capture(upper, path, exclude=excluded_paths(target.spec))
             ingest.add_file_layer(ROOTFS_LAYER, path, MEDIA_TYPES[ROOTFS_LAYER])
-            ingest.set_metadata(rootfs_diff={"files": stats.files, "deletions": stats.deletions,
-                                             "bytes": stats.bytes})  # fmt: skip
+            ingest.set_metadata(
+                rootfs_diff={
+                    "files": stats.files,
+                    "deletions": stats.deletions,
+                    "bytes": stats.bytes,
+                }
+            )
         else:
             log.warning(
                 "rootfs is not an overlay: its changes are not saved",
@@ -214,9 +223,10 @@ class Pipeline:
         policy = target.policy
         try:
             network: Any = await asyncio.to_thread(network_facts, f"/proc/{target.pid}/ns/net")
-        except Exception as err:  # noqa: BLE001 - facts are advisory
-            log.warning("no network facts", extra={"container": target.container_id,
-                                                   "error": str(err)})  # fmt: skip
+        except Exception as err:
+            log.warning(
+                "no network facts", extra={"container": target.container_id, "error": str(err)}
+            )
             network = {}
         return {
             "metadataVersion": METADATA_VERSION,

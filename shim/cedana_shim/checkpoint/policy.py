@@ -136,8 +136,10 @@ def policy_for(spec: Mapping[str, Any], container_id: str, containerd_namespace:
         "image": str(annotations.get(CRI_IMAGE, "")),
     }
     interval = None
-    for source, raw in ((f"env {ENV_INTERVAL}", env.get(ENV_INTERVAL)),
-                        (f"annotation {ANN_INTERVAL}", annotations.get(ANN_INTERVAL))):  # fmt: skip
+    for source, raw in (
+        (f"env {ENV_INTERVAL}", env.get(ENV_INTERVAL)),
+        (f"annotation {ANN_INTERVAL}", annotations.get(ANN_INTERVAL)),
+    ):
         if raw:
             interval = parse_duration(str(raw), source)
             break

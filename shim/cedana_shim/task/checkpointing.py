@@ -101,17 +101,24 @@ class Checkpointing:
         self.remaining = await asyncio.to_thread(
             self.store.candidates, self.policy.scope, self.policy.label
         )
-        return await self.next_plan(bundle=bundle, rootfs=rootfs, spec=spec, network=network,
-                                    reset=reset)  # fmt: skip
+        return await self.next_plan(
+            bundle=bundle, rootfs=rootfs, spec=spec, network=network, reset=reset
+        )
 
     async def next_plan(
         self, *, bundle: str, rootfs: str, spec: Any, network: Any, reset: Callable[[], None]
     ) -> RestorePlan | None:
         planner = Planner(self.store)
         self.plan, self.remaining = await asyncio.to_thread(
-            planner.prepare, self.remaining, bundle=bundle, rootfs=rootfs, spec=spec,
-            network=network, reset_rootfs=reset, attempts=self.attempts,
-        )  # fmt: skip
+            planner.prepare,
+            self.remaining,
+            bundle=bundle,
+            rootfs=rootfs,
+            spec=spec,
+            network=network,
+            reset_rootfs=reset,
+            attempts=self.attempts,
+        )
         return self.plan
 
     def restore_failed(self, error: BaseException) -> None:
@@ -129,15 +136,24 @@ class Checkpointing:
         log_fn = log.info if restored and not self.attempts.skipped else log.warning
         log_fn(
             "restored from checkpoint" if restored else "starting cold",
-            extra={"container": self.container_id, "label": self.policy.label,
-                   "scope": self.policy.scope, "checkpoint": entry_id, "why": detail},
-        )  # fmt: skip
+            extra={
+                "container": self.container_id,
+                "label": self.policy.label,
+                "scope": self.policy.scope,
+                "checkpoint": entry_id,
+                "why": detail,
+            },
+        )
         self.manager.publish(
             cedana_ev.RestoreOutcome(
-                container_id=self.container_id, scope=self.policy.scope,
-                label=self.policy.label, checkpoint_id=entry_id, outcome=outcome, detail=detail,
+                container_id=self.container_id,
+                scope=self.policy.scope,
+                label=self.policy.label,
+                checkpoint_id=entry_id,
+                outcome=outcome,
+                detail=detail,
             )
-        )  # fmt: skip
+        )
         if self.plan is not None:
             Planner.discard(self.plan)
 
@@ -174,9 +190,12 @@ class Checkpointing:
         try:
             async with asyncio.timeout(self.config.checkpoint_timeout):
                 return await self.pipeline.dump(
-                    target, reason=reason, leave_running=leave_running, freeze=freeze,
+                    target,
+                    reason=reason,
+                    leave_running=leave_running,
+                    freeze=freeze,
                     mirror_to=mirror_to,
-                )  # fmt: skip
+                )
         except BaseException as err:
             self._failed(reason, err)
             raise
@@ -189,30 +208,47 @@ class Checkpointing:
             raise
         log.info(
             "checkpoint committed",
-            extra={"container": self.container_id, "checkpoint": entry.id, "reason": reason,
-                   "label": self.policy.label, "scope": self.policy.scope, "size": entry.size},
-        )  # fmt: skip
+            extra={
+                "container": self.container_id,
+                "checkpoint": entry.id,
+                "reason": reason,
+                "label": self.policy.label,
+                "scope": self.policy.scope,
+                "size": entry.size,
+            },
+        )
         self.manager.publish(
             cedana_ev.CheckpointCommitted(
-                container_id=self.container_id, checkpoint_id=entry.id, scope=self.policy.scope,
-                label=self.policy.label, reason=reason, size=entry.size,
+                container_id=self.container_id,
+                checkpoint_id=entry.id,
+                scope=self.policy.scope,
+                label=self.policy.label,
+                reason=reason,
+                size=entry.size,
             )
-        )  # fmt: skip
+        )
         return entry
 
     def _failed(self, reason: str, err: BaseException) -> None:
         what = "cancelled" if isinstance(err, asyncio.CancelledError) else str(err)
         log.error(
             "checkpoint failed",
-            extra={"container": self.container_id, "reason": reason, "error": what,
-                   "label": self.policy.label},
-        )  # fmt: skip
+            extra={
+                "container": self.container_id,
+                "reason": reason,
+                "error": what,
+                "label": self.policy.label,
+            },
+        )
         self.manager.publish(
             cedana_ev.CheckpointFailed(
-                container_id=self.container_id, scope=self.policy.scope, label=self.policy.label,
-                reason=reason, error=what,
+                container_id=self.container_id,
+                scope=self.policy.scope,
+                label=self.policy.label,
+                reason=reason,
+                error=what,
             )
-        )  # fmt: skip
+        )
 
     # -- checkpoint on stop ----------------------------------------------------------
 
@@ -222,9 +258,7 @@ class Checkpointing:
     def stopping(self) -> bool:
         return self.stop_task is not None and not self.stop_task.done()
 
-    def begin_stop(
-        self, target: Target, sig: int, fallback: Callable[[int], Any]
-    ) -> None:
+    def begin_stop(self, target: Target, sig: int, fallback: Callable[[int], Any]) -> None:
         """Dump the container as it stops; if the dump fails, deliver ``sig`` after all.
 
         The container's processes exit when CRIU has written the images (no

@@ -165,9 +165,12 @@ class Container:
             return
         if self.cr is not None:
             plan = await self.cr.first_plan(
-                bundle=self.bundle, rootfs=self.rootfs, spec=self.spec,
-                network=await self._network_facts(), reset=self._reset_rootfs,
-            )  # fmt: skip
+                bundle=self.bundle,
+                rootfs=self.rootfs,
+                spec=self.spec,
+                network=await self._network_facts(),
+                reset=self._reset_rootfs,
+            )
             if plan is not None:
                 self.restore_images = plan.image_dir
                 self.init.state = State.RESTORE_PENDING
@@ -205,9 +208,8 @@ class Container:
             if isinstance(ns, dict) and ns.get("type") == "network" and ns.get("path"):
                 try:
                     return await asyncio.to_thread(network_facts, str(ns["path"]))
-                except Exception as err:  # noqa: BLE001 - advisory
-                    log.warning("no network facts", extra={"container": self.id,
-                                                           "error": str(err)})  # fmt: skip
+                except Exception as err:
+                    log.warning("no network facts", extra={"container": self.id, "error": str(err)})
         return {}
 
     def _reset_rootfs(self) -> None:
@@ -325,9 +327,12 @@ class Container:
                     await self.runc.delete(self.id, force=True)
                 await asyncio.to_thread(self._reset_rootfs)
                 plan = await self.cr.next_plan(
-                    bundle=self.bundle, rootfs=self.rootfs, spec=self.spec,
-                    network=await self._network_facts(), reset=self._reset_rootfs,
-                )  # fmt: skip
+                    bundle=self.bundle,
+                    rootfs=self.rootfs,
+                    spec=self.spec,
+                    network=await self._network_facts(),
+                    reset=self._reset_rootfs,
+                )
                 self.restore_images = plan.image_dir if plan is not None else ""
                 continue
             self.cr.report_restore(restored=True)
@@ -361,7 +366,8 @@ class Container:
                         console_socket=console,
                         no_pivot=self.config.options.no_pivot_root,
                         shell_job=self.io.config.terminal,
-                        tcp_established=self.cr is not None and keep_tcp
+                        tcp_established=self.cr is not None
+                        and keep_tcp
                         and self.cr.config.tcp_established,
                         ext_unix_sk=self.cr is not None,
                         file_locks=self.cr is not None and self.cr.config.file_locks,

@@ -26,11 +26,11 @@ from ..api.containerd.events import task_pb2 as ev
 from ..api.containerd.runc import options_pb2 as runc_pb
 from ..api.containerd.task.v2 import shim_pb2 as pb
 from ..api.containerd.types import task_pb2 as types
+from ..checkpoint.policy import policy_for
 from ..errors import FailedPrecondition, InvalidArgument, NotFound
 from ..runtime.mount import Mount
 from ..runtime.reaper import Exit, Reaper
 from ..ttrpc.server import CallContext, Method
-from ..checkpoint.policy import policy_for
 from .checkpointing import CheckpointManager, require_enabled
 from .container import CheckpointConfig, Container, CreateConfig, ExecConfig, load_spec
 from .events import EventSender
