@@ -63,7 +63,9 @@ ALIASES = {"google/rpc/status.proto": "local/google_rpc_status.proto"}
 GRPC_SERVICES = {"cri/v1/api.proto"}  # gRPC stubs only where we call gRPC (tests)
 STAGE_PREFIX = "cedana_shim/api/"
 
-GOGO_IMPORT = re.compile(r'^\s*import\s+(weak\s+)?"[^"]*(gogo\.proto|fieldpath\.proto)";\s*\n', re.M)
+GOGO_IMPORT = re.compile(
+    r'^\s*import\s+(weak\s+)?"[^"]*(gogo\.proto|fieldpath\.proto)";\s*\n', re.M
+)
 GOGO_FILE_OPTION = re.compile(
     r"^\s*option\s+\((gogoproto|containerd\.plugin|containerd\.types)\.[^;]*;\s*\n", re.M
 )
@@ -103,8 +105,8 @@ def rewrite(text: str) -> str:
 
 
 def generate(out_root: Path) -> None:
-    from grpc_tools import protoc  # type: ignore[import-untyped]
     import grpc_tools
+    from grpc_tools import protoc  # type: ignore[import-untyped]
 
     stage = Path(tempfile.mkdtemp(prefix="cedana-protos-"))
     try:
@@ -116,8 +118,13 @@ def generate(out_root: Path) -> None:
             staged.append(STAGE_PREFIX + target)
         include = Path(grpc_tools.__file__).parent / "_proto"
         for name in staged:
-            args = ["protoc", f"-I{stage}", f"-I{include}", f"--python_out={out_root}",
-                    f"--pyi_out={out_root}"]
+            args = [
+                "protoc",
+                f"-I{stage}",
+                f"-I{include}",
+                f"--python_out={out_root}",
+                f"--pyi_out={out_root}",
+            ]
             if name.removeprefix(STAGE_PREFIX) in GRPC_SERVICES:
                 args.append(f"--grpc_python_out={out_root}")
             if protoc.main([*args, name]) != 0:
@@ -130,8 +137,11 @@ def generate(out_root: Path) -> None:
 
 
 def tree(root: Path) -> dict[str, Path]:
-    return {str(p.relative_to(root)): p for p in root.rglob("*") if p.is_file()
-            and "__pycache__" not in p.parts}
+    return {
+        str(p.relative_to(root)): p
+        for p in root.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 def main() -> int:
@@ -146,10 +156,14 @@ def main() -> int:
             current = tree(OUT_PACKAGE)
             current.pop("README.md", None)
             drift = sorted(set(fresh) ^ set(current)) + sorted(
-                n for n in set(fresh) & set(current) if not filecmp.cmp(fresh[n], current[n], False))
+                n for n in set(fresh) & set(current) if not filecmp.cmp(fresh[n], current[n], False)
+            )
             if drift:
-                print("generated protobuf modules are out of date; run scripts/gen_protos.py:",
-                      *drift, sep="\n  ")
+                print(
+                    "generated protobuf modules are out of date; run scripts/gen_protos.py:",
+                    *drift,
+                    sep="\n  ",
+                )
                 return 1
             print(f"generated protobuf modules up to date ({len(fresh)} files)")
             return 0

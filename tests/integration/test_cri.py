@@ -56,8 +56,10 @@ def _sandbox_pid(cri: CriClient, pod_id: str) -> int:
 def _read_cri_log(path: Path) -> list[dict[str, str]]:
     if not path.exists():
         return []
+    text = path.read_text()
+    # Only complete lines: the last one may still be being written.
     entries = []
-    for line in path.read_text().splitlines():
+    for line in text[: text.rfind("\n") + 1].splitlines():
         m = CRI_LOG_LINE.match(line)
         assert m, f"not a CRI log line: {line!r}"
         entries.append(m.groupdict())
@@ -98,14 +100,25 @@ def test_host_network_pod_lifecycle(containerd: Containerd, cri: CriClient, pod_
     assert status.state == cri_pb.SANDBOX_READY
     assert status.runtime_handler == containerd.runtime.handler
     sandbox_pid = _sandbox_pid(cri, pod.id)
-    assert procs.read_argv(sandbox_pid) == ("/bin/sleep", "2147483647")
+    # `runc start` returns once the init was released; its execve follows a moment later.
+    wait_for(
+        lambda: procs.read_argv(sandbox_pid) == ("/bin/sleep", "2147483647"),
+        timeout=5,
+        what="the pause process to exec",
+    )
     assert _netns(sandbox_pid) == _netns("self"), "host network pod must share our netns"
 
     cid = cri.create_container(
-        pod, "app", containerd.images.busybox,
-        ["sh", "-c", 'echo hello-stdout; echo hello-stderr >&2; '
-                     'trap "exit 0" TERM; while :; do sleep 0.1; done'],
-    )  # fmt: skip
+        pod,
+        "app",
+        containerd.images.busybox,
+        [
+            "sh",
+            "-c",
+            "echo hello-stdout; echo hello-stderr >&2; "
+            'trap "exit 0" TERM; while :; do sleep 0.1; done',
+        ],
+    )
     assert cri.container_status(cid).status.state == cri_pb.CONTAINER_CREATED
     cri.start_container(cid)
     cri.wait_container_state(cid, cri_pb.CONTAINER_RUNNING)
@@ -117,9 +130,10 @@ def test_host_network_pod_lifecycle(containerd: Containerd, cri: CriClient, pod_
     log_path = pod_dir / "app.log"
     assert cri.container_status(cid).status.log_path == str(log_path)
     entries = wait_for(
-        lambda: (e if len(e := _read_cri_log(log_path)) >= 2 else None),
-        timeout=10, what="two lines in the CRI log",
-    )  # fmt: skip
+        lambda: e if len(e := _read_cri_log(log_path)) >= 2 else None,
+        timeout=10,
+        what="two lines in the CRI log",
+    )
     by_stream = {e["stream"]: e for e in entries}
     assert by_stream["stdout"]["msg"] == "hello-stdout"
     assert by_stream["stderr"]["msg"] == "hello-stderr"
@@ -185,10 +199,12 @@ def test_stop_container_sigkills_after_grace_period(
 ) -> None:
     cid = cri.run_container(host_pod, "stubborn", containerd.images.busybox, STUBBORN)
     wait_for(
-        lambda: any(e["msg"] == "stubborn-ready"
-                    for e in _read_cri_log(host_pod.log_dir / "stubborn.log")),
-        timeout=10, what="the trap to be installed",
-    )  # fmt: skip
+        lambda: any(
+            e["msg"] == "stubborn-ready" for e in _read_cri_log(host_pod.log_dir / "stubborn.log")
+        ),
+        timeout=10,
+        what="the trap to be installed",
+    )
     pid = cri.container_pid(cid)
     started = time.monotonic()
     cri.stop_container(cid, timeout=2)
@@ -238,8 +254,7 @@ def test_pod_containers_share_one_shim(
     containerd: Containerd, cri: CriClient, pod_dir: Path
 ) -> None:
     with cri.pod("shared", pod_dir, host_network=True) as pod:
-        cids = [cri.run_container(pod, f"c{i}", containerd.images.busybox, IDLE)
-                for i in range(3)]  # fmt: skip
+        cids = [cri.run_container(pod, f"c{i}", containerd.images.busybox, IDLE) for i in range(3)]
         for cid in cids:
             cri.wait_container_state(cid, cri_pb.CONTAINER_RUNNING)
         shim_pid = _pod_shim(containerd, [pod.id, *cids])

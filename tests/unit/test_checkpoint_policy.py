@@ -3,9 +3,6 @@
 from typing import Any
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
 from cedana_shim.checkpoint.policy import (
     LABEL_MAX,
     Mode,
@@ -14,6 +11,8 @@ from cedana_shim.checkpoint.policy import (
     validate_label,
 )
 from cedana_shim.errors import InvalidArgument
+from hypothesis import given
+from hypothesis import strategies as st
 
 
 def spec(env: list[str] | None = None, **annotations: str) -> dict[str, Any]:

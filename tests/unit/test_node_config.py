@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import pytest
-
 from cedana_shim.config import NodeConfig, load_node_config
 from cedana_shim.errors import InvalidArgument
 

@@ -330,3 +330,24 @@ def test_apply_dir_has_the_same_rules(world: Path) -> None:
 def test_missing_rootfs(world: Path) -> None:
     with pytest.raises(errors.NotFound):
         apply(archive(), str(world / "nowhere"))
+
+
+def test_no_descriptor_leaks(world: Path) -> None:
+    """Refusals at every stage and a successful apply close every descriptor."""
+    rootfs = world / "rootfs"
+    (rootfs / "usr/bin").rmdir()
+    (rootfs / "usr/bin").symlink_to(world / "outside")
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    for src in (
+        archive(reg("../x")),  # validation
+        archive(node("usr", DIR), reg("usr/bin/x")),  # preflight, deep in a chain
+        io.BytesIO(archive(reg("f")).getvalue()[:700]),  # truncated
+    ):
+        with pytest.raises((errors.InvalidArgument, errors.DataLoss)):
+            apply(src, str(rootfs))
+    apply(archive(node("a/b/c", DIR), reg("a/b/c/f"), node("a/h", LNK, "a/b/c/f")), str(rootfs))
+    assert open_fds() == before

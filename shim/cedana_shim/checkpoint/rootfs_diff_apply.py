@@ -23,12 +23,13 @@ from contextlib import contextmanager
 from typing import BinaryIO, Final
 
 from cedana_shim import errors
-from cedana_shim.checkpoint.rootfs_diff_plan import Entry, Parts, Plan, refuse
+from cedana_shim.checkpoint.rootfs_diff_plan import Entry, Parts, Plan
 from cedana_shim.checkpoint.rootfs_diff_tar import DIR, LNK, REG, SYM, Member
 from cedana_shim.checkpoint.rootfs_diff_types import (
     Counter,
     DiffStats,
     os_error,
+    refuse,
     show,
     xattr_allowed,
 )

@@ -44,22 +44,16 @@ from cedana_shim.checkpoint.rootfs_diff_types import (
     PATH_MAX,
     WHITEOUT_PREFIX,
     Limits,
+    refuse,
     show,
     xattr_allowed,
 )
 
-__all__ = ["Entry", "Parts", "Plan", "make_plan", "refuse"]
+__all__ = ["Entry", "Parts", "Plan", "make_plan", "split_path"]
 
 Parts = tuple[bytes, ...]
 _KIND = {REG: "regular file", LNK: "hard link", SYM: "symlink", DIR: "directory"}
 _MAX_ID = 0xFFFF_FFFE  # (uid_t)-1 means "leave unchanged" to chown(2)
-
-
-def refuse(name: bytes, rule: str) -> errors.InvalidArgument:
-    return errors.InvalidArgument(
-        f"rootfs diff refused, nothing was applied: member {show(name)!r} {rule}. "
-        "The archive is damaged or crafted; take a new checkpoint instead of restoring it"
-    )
 
 
 @dataclass(slots=True)

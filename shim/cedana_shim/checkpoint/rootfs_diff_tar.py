@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Final
 
 from cedana_shim import errors
-from cedana_shim.checkpoint.rootfs_diff_types import Limits
+from cedana_shim.checkpoint.rootfs_diff_types import Limits, refuse
 
 __all__ = ["DIR", "LNK", "REG", "SYM", "Member", "TarWriter", "read_members"]
 
@@ -72,13 +72,6 @@ def _corrupt(offset: int, what: str) -> errors.DataLoss:
     )
 
 
-def _refuse(name: bytes, rule: str) -> errors.InvalidArgument:
-    shown = name.decode("utf-8", "backslashreplace") or "(unnamed)"
-    return errors.InvalidArgument(
-        f"rootfs diff refused, nothing was applied: member {shown!r} {rule}"
-    )
-
-
 def _read_exact(f: BinaryIO, n: int) -> bytes:
     chunks = []
     while n > 0:
@@ -109,7 +102,7 @@ def _octal(field: bytes, offset: int) -> int:
 
 def _decimal(value: bytes, key: bytes, name: bytes) -> int:
     if not value.isdigit() or len(value) > 20:
-        raise _refuse(name, f"has a bad pax {key.decode(errors='replace')} value {value[:40]!r}")
+        raise refuse(name, f"has a bad pax {key.decode(errors='replace')} value {value[:40]!r}")
     return int(value)
 
 
@@ -117,7 +110,7 @@ def parse_mtime(value: bytes, name: bytes) -> int:
     """A pax ``mtime`` ("-12.5", "1700000000.123456789") as integer nanoseconds."""
     match = _MTIME.fullmatch(value)
     if match is None:
-        raise _refuse(name, f"has a bad pax mtime {value[:40]!r}")
+        raise refuse(name, f"has a bad pax mtime {value[:40]!r}")
     sign, whole, frac = match.groups()
     ns = int(whole) * _NS + int((frac or b"")[:9].ljust(9, b"0"))
     return -ns if sign else ns
@@ -162,9 +155,9 @@ class _Extended:
             if key.startswith(b"SCHILY.xattr."):
                 xattrs.append((key[len(b"SCHILY.xattr.") :], value))
             elif key.startswith(b"GNU.sparse."):
-                raise _refuse(label, "is a sparse file (not supported in a rootfs diff)")
+                raise refuse(label, "is a sparse file (not supported in a rootfs diff)")
             elif key.startswith(b"LIBARCHIVE.xattr."):
-                raise _refuse(label, "carries libarchive-encoded xattrs (not supported)")
+                raise refuse(label, "carries libarchive-encoded xattrs (not supported)")
             elif not value:
                 continue  # pax: an empty value unsets the keyword
             elif key == b"path":
@@ -217,7 +210,7 @@ def read_members(f: BinaryIO, limits: Limits) -> Iterator[Member]:
             if typeflag in ext.seen:
                 raise _corrupt(pos, "two extended headers of one kind for one member")
             if size > limits.max_header_bytes:
-                raise _refuse(
+                raise refuse(
                     label, f"has a {size}-byte extended header (limit {limits.max_header_bytes})"
                 )
             payload = _read_exact(f, size)
@@ -235,18 +228,18 @@ def read_members(f: BinaryIO, limits: Limits) -> Iterator[Member]:
             continue
         name = ext.path if ext.path is not None else field_name
         if typeflag in _REFUSED_TYPES:
-            raise _refuse(
+            raise refuse(
                 name,
                 f"is {_REFUSED_TYPES[typeflag]}; a rootfs diff holds only "
                 "files, directories, symlinks and hard links",
             )
         if typeflag not in _MEMBER_TYPES:
-            raise _refuse(name, f"has unsupported tar type {typeflag!r}")
+            raise refuse(name, f"has unsupported tar type {typeflag!r}")
         if ext.size is not None:
             size = ext.size
             end = data + -(-size // BLOCK) * BLOCK
         if typeflag not in (REG, b"\0") and size:
-            raise _refuse(name, "is not a regular file but carries data")
+            raise refuse(name, "is not a regular file but carries data")
         mtime_ns = ext.mtime_ns
         if mtime_ns is None:
             mtime_ns = _octal(block[136:148], pos) * _NS

@@ -87,15 +87,16 @@ class Limits:
     """Bounds on an archive an apply accepts; beyond them it refuses the archive.
 
     The defaults are far above any real container layer and well below what
-    would exhaust a node. Memory while applying is about 300 bytes per member
-    (the validated plan is kept so headers are read exactly once).
+    would exhaust a node. Memory while applying is about 450 bytes per
+    member (the validated plan is kept so headers are read exactly once).
     """
 
-    max_members: int = 1_000_000
+    max_members: int = 500_000
     max_member_bytes: int = 64 << 30
     max_total_bytes: int = 512 << 30
     max_archive_bytes: int = 600 << 30
-    # Directory nesting; every level holds one open descriptor while walking.
+    # Directory nesting. Each level holds an open descriptor while walking, and
+    # an apply walks up to three paths at once: keep 3 * this under RLIMIT_NOFILE.
     max_depth: int = 256
     # One pax or GNU long-name header, read whole into memory.
     max_header_bytes: int = 1 << 20
@@ -114,11 +115,20 @@ def os_error(err: OSError, doing: str) -> errors.ShimError:
     """An OSError met while ``doing`` something, as the class a caller can act on."""
     code = err.errno or 0
     cls: type[errors.ShimError] = errors.Internal
+    hint = ""
     if code in (errno.ENOSPC, errno.EDQUOT):
-        cls = errors.ResourceExhausted
+        cls, hint = errors.ResourceExhausted, "; free space on that filesystem and retry"
     elif code in (errno.EPERM, errno.EACCES, errno.EROFS):
-        cls = errors.PermissionDenied
+        cls, hint = errors.PermissionDenied, "; the shim must run as root on a writable path"
     elif code == errno.ENOENT:
         cls = errors.NotFound
     where = f" ({os.fsdecode(err.filename)})" if isinstance(err.filename, str | bytes) else ""
-    return cls(f"rootfs diff: {doing}{where}: {os.strerror(code)}")
+    return cls(f"rootfs diff: {doing}{where}: {os.strerror(code)}{hint}")
+
+
+def refuse(name: bytes, rule: str) -> errors.InvalidArgument:
+    """An archive member breaking ``rule``: the whole archive is refused unapplied."""
+    return errors.InvalidArgument(
+        f"rootfs diff refused, nothing was applied: member {show(name)!r} {rule}. The "
+        "archive is damaged or crafted; restore from another checkpoint or start afresh"
+    )

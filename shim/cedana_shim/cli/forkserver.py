@@ -140,6 +140,16 @@ def become_daemon(listener_fd: int, cwd: str, env: Mapping[str, str]) -> None:
         os.close(devnull)
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
+    # What `pgrep containerd-shim` finds, as with the runc shim (comm is 15 bytes).
+    set_process_name("containerd-shim")
+
+
+def set_process_name(name: str) -> None:
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
 
 
 def run_forked_daemon(
@@ -216,6 +226,9 @@ def serve(path: str) -> int:
     from .paths import ensure_private_dir
 
     ensure_private_dir(os.path.dirname(path))
+    # Not the bundle of whichever container happened to start us: it gets deleted.
+    os.chdir("/")
+    set_process_name("cedana-forksrv")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         server.bind(path)

@@ -577,6 +577,10 @@ def _parse_json(verb: str, out: bytes) -> Any:
         raise errors.Internal(f"runc {verb} printed {out[:200]!r}, not JSON") from err
 
 
+CRIU_LOG_TAIL_LINES = 40
+CRIU_LOG_TAIL_BYTES = 16 << 10
+
+
 def _keep_criu_log(log: _CriuLog) -> str:
     """Copy CRIU's log next to the bundle; the text to add to the error message.
 
@@ -589,6 +593,15 @@ def _keep_criu_log(log: _CriuLog) -> str:
     if now is None or now == log.before:  # CRIU never ran, e.g. runc refused first
         return ""
     path = log.source
+    # The bundle (and the copy in it) is deleted with the container; the tail in
+    # the shim's own log (containerd's log) is what survives for a post-mortem.
+    try:
+        with open(log.source, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - CRIU_LOG_TAIL_BYTES))
+            tail = f.read().decode(errors="replace").splitlines()[-CRIU_LOG_TAIL_LINES:]
+        logger.error("criu failed", extra={"criu_log": log.source, "criu_log_tail": tail})
+    except OSError:
+        pass
     if log.copy_to:
         try:
             shutil.copyfile(log.source, log.copy_to)

@@ -27,7 +27,7 @@ from ..api.containerd.runc import options_pb2 as runc_pb
 from ..api.containerd.task.v2 import shim_pb2 as pb
 from ..api.containerd.types import task_pb2 as types
 from ..checkpoint.policy import policy_for
-from ..errors import FailedPrecondition, InvalidArgument, NotFound
+from ..errors import FailedPrecondition, InvalidArgument, NotFound, ShimError
 from ..runtime.mount import Mount
 from ..runtime.reaper import Exit, Reaper
 from ..ttrpc.server import CallContext, Method
@@ -401,7 +401,14 @@ class TaskService:
                 await self._finish_init_exit(container, pending)
             return
         if container.needs_kill_all_on_exit():
-            await container.kill_all()
+            try:
+                await container.kill_all()
+            except ShimError as err:
+                # Never let this stop the exit from being reported.
+                log.warning(
+                    "kill --all after init exit failed",
+                    extra={"container": container.id, "error": str(err)},
+                )
         status = ex.status
         if container.cr is not None and container.cr.stop_signal is not None:
             status = 128 + container.cr.stop_signal  # stopped by its checkpoint-on-stop

@@ -68,6 +68,9 @@ class Containerd:
         self.cni_conf_dir = base / "cni-conf"
         self.cni_data_dir = base / "cni-ipam"
         self.pod_logs = base / "pod-logs"
+        # The cedana checkpoint store of this instance's shims (the shim reads
+        # CEDANA_STORE_PATH from containerd's environment).
+        self.store = base / "checkpoints"
         suffix = uuid.uuid4().hex[:8]
         self.bridge = f"cdn{suffix}"
         # A random /24 per instance: several containerds (and other suites) may run on
@@ -75,6 +78,9 @@ class Containerd:
         self.subnet_prefix = f"10.{random.randint(200, 239)}.{random.randint(0, 255)}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        # Shim socket paths seen in bundles: a SIGKILLed shim leaves its socket file
+        # behind (the runc shim too), and the bundle that named it is gone by teardown.
+        self.seen_shim_sockets: set[str] = set()
         self._write_config()
 
     # -- configuration ----------------------------------------------------------------
@@ -215,6 +221,9 @@ state = {_toml_str(self.state)}
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("CONTAINERD_")}
         env["PATH"] = ":".join(dict.fromkeys(path))
+        env["CEDANA_STORE_PATH"] = str(self.store)
+        # The warm fork server must not outlive the suite by an hour.
+        env.setdefault("CEDANA_FORKSERVER_IDLE", "120")
         return env
 
     # -- lifecycle --------------------------------------------------------------------
@@ -281,8 +290,11 @@ state = {_toml_str(self.state)}
             cols = line.split()
             if len(cols) >= 4:
                 status[(cols[0], cols[1])] = cols[-1]
-        broken = {f"{t} {i}: {status.get((t, i), 'missing')}" for t, i in required
-                  if status.get((t, i)) != "ok"}  # fmt: skip
+        broken = {
+            f"{t} {i}: {status.get((t, i), 'missing')}"
+            for t, i in required
+            if status.get((t, i)) != "ok"
+        }
         if broken:
             raise ContainerdError(
                 f"containerd {self.version.full} plugins not ok: {sorted(broken)}\n"
@@ -339,16 +351,24 @@ state = {_toml_str(self.state)}
         """The ttrpc address containerd dials for this task: the bundle's `address`
         file (written by the shim's `start`) or 2.x's `bootstrap.json`."""
         bundle = self.bundle(namespace, cid)
+        address: str | None = None
         with contextlib.suppress(OSError):
-            return (bundle / "address").read_text().strip()
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            return str(json.loads((bundle / "bootstrap.json").read_text())["address"])
-        return None
+            address = (bundle / "address").read_text().strip()
+        if not address:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                address = str(json.loads((bundle / "bootstrap.json").read_text())["address"])
+        if address and address.startswith("unix:///"):
+            self.seen_shim_sockets.add(address.removeprefix("unix://"))
+        return address or None
 
     def shim_pids(self, namespace: str, cid: str) -> set[int]:
         """Processes serving the task's shim socket (exactly one for a healthy shim)."""
         address = self.shim_address(namespace, cid)
-        return procs.serving_pids(address) if address else set()
+        pids = procs.serving_pids(address) if address else set()
+        for pid in pids:
+            # e.g. the debug socket a 2.x runc shim opens under -debug
+            self.seen_shim_sockets |= procs.listening_unix_paths(pid)
+        return pids
 
     def shim_daemons(self) -> dict[int, set[tuple[str, str]]]:
         """Every live shim daemon of this containerd -> the (namespace, id) tasks whose
@@ -477,11 +497,12 @@ state = {_toml_str(self.state)}
                         timeout=20,
                     )
         # Sockets of shims that were killed rather than shut down.
-        for addr_file in self.task_state_dir.glob("*/*/address"):
-            with contextlib.suppress(OSError):
-                addr = addr_file.read_text().strip().removeprefix("unix://")
-                if addr.startswith("/"):
-                    Path(addr).unlink(missing_ok=True)
+        for bundle in self.task_state_dir.glob("*/*"):
+            self.shim_address(bundle.parent.name, bundle.name)
+        for path in self.seen_shim_sockets:
+            if not procs.unix_listener_inodes(path):
+                with contextlib.suppress(OSError):
+                    Path(path).unlink()
 
     def _sweep_mounts(self, notes: list[str]) -> None:
         for point in procs.mounts_under(self.base):

@@ -211,6 +211,32 @@ def unix_listener_inodes(path: str) -> set[int]:
     return inodes
 
 
+def listening_unix_paths(pid: int) -> set[str]:
+    """Filesystem paths of the listening unix sockets `pid` holds."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+    except OSError:
+        return set()
+    paths = set()
+    with open("/proc/net/unix") as f:
+        next(f)
+        for line in f:
+            cols = line.split()
+            if (
+                len(cols) >= 8
+                and int(cols[6]) in inodes
+                and int(cols[3], 16) & _SO_ACCEPTCON
+                and cols[7].startswith("/")
+            ):
+                paths.add(cols[7])
+    return paths
+
+
 def socket_holders(inodes: set[int]) -> set[int]:
     """Processes that hold any of these socket inodes open."""
     if not inodes:
