@@ -51,7 +51,6 @@ test:
 	$(MAKE) --no-print-directory unit
 	$(MAKE) --no-print-directory integration
 
-demo:
-	@echo "demo: placeholder. It will start a private containerd with the cedana runtime,"
-	@echo "run a counting container with CEDANA_CHECKPOINT set, stop it (checkpoint),"
-	@echo "start it again (restore) and show the count continuing."
+# README's first command: set this machine up as a node, then show the whole story.
+demo: setup
+	$(BIN)/python scripts/demo.py

@@ -41,7 +41,8 @@ def ensure_venv() -> None:
 
         import cedana_shim  # noqa: F401
     except ImportError:
-        if Path(sys.executable).resolve() == VENV_PYTHON.resolve() or not VENV_PYTHON.exists():
+        in_venv = Path(sys.prefix).resolve() == VENV_PYTHON.parent.parent.resolve()
+        if in_venv or not VENV_PYTHON.exists():
             raise SystemExit(
                 f"{VENV_PYTHON} cannot import grpc/cedana_shim: run `make setup` first"
             ) from None
@@ -352,6 +353,17 @@ def private_containerd(
     # Anything that still carries our marker once containerd is gone: fork servers
     # started by our shims (they idle for an hour otherwise), daemons that hung.
     cleanup.push("kill processes of this run", lambda: kill_marked(marker))
+    # containerd's runc shim keeps per-namespace state under a host-global root; drop
+    # the (empty) directories this run created there.
+    runc_roots = [Path("/run/containerd/runc") / ns for ns in namespaces]
+    created = [d for d in runc_roots if not d.exists()]
+
+    def remove_runc_roots() -> None:
+        for d in created:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+    cleanup.push("empty runc state roots", remove_runc_roots)
     store = root / "store"
     images_dir = root / "images"
     images_dir.mkdir()

@@ -74,6 +74,9 @@ def configure(fd: int | None, *, debug: bool, static: dict[str, str] | None = No
     for handler in list(root.handlers):
         root.removeHandler(handler)
     root.setLevel(logging.DEBUG if debug else logging.INFO)
+    # Libraries' debug chatter (pyroute2 logs every netlink message) is not ours.
+    for name in ("pyroute2", "asyncio"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     if fd is None:
         root.addHandler(logging.NullHandler())
         return

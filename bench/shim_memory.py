@@ -1,0 +1,263 @@
+"""Shim memory: resident memory of the ONE shim daemon that serves a pod of three
+containers, cedana vs containerd's runc shim, through the CRI (as kubelet drives it).
+
+    python bench/shim_memory.py [--runs 5] [--containerd 1.6|1.7|2.1] [--out results.json]
+
+Per run and runtime: RunPodSandbox, then CreateContainer + StartContainer of three
+busybox `sleep` containers, a round of the status/stats calls kubelet makes, a short
+settle, then /proc/<pid>/smaps_rollup of every process serving the pod's shim socket.
+Runs alternate cedana, runc, cedana, ... and each pod is removed before the next.
+
+Cedana daemons are forked from a warm fork server (shim/cedana_shim/cli/forkserver.py)
+and share its pages copy-on-write, so RSS counts those shared pages in full in every
+daemon; PSS divides them among the sharers and is the fair per-shim figure. Both are
+reported, and USS (private pages only), plus the fork server's own memory.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    Cleanup,
+    Report,
+    base_parser,
+    ensure_venv,
+    install_signal_handlers,
+    print_table,
+    private_containerd,
+    ratio,
+    require_root,
+    summarize,
+    verdict,
+)
+
+TARGET_RSS_MB = 25.0
+CRI_NAMESPACE = "k8s.io"
+CONTAINERS = 3
+SETTLE_S = 2.0
+MB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Mem:
+    rss: int  # bytes
+    pss: int
+    uss: int  # Private_Clean + Private_Dirty
+
+    def __add__(self, other: Mem) -> Mem:
+        return Mem(self.rss + other.rss, self.pss + other.pss, self.uss + other.uss)
+
+
+def smaps_rollup(pid: int) -> Mem:
+    fields: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[-1] == "kB":
+            fields[key.strip()] = int(parts[0]) * 1024
+    return Mem(
+        rss=fields["Rss"],
+        pss=fields["Pss"],
+        uss=fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0),
+    )
+
+
+def cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return " ".join(a.decode(errors="replace") for a in raw.split(b"\0") if a)
+
+
+def ppid_of(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def measure_pod(b: Any, handler: str, run: int) -> dict[str, Any]:
+    """Start a pod of three containers with `handler`, measure its shim, remove it."""
+    from tests.integration.harness.cri import CriClient
+
+    cri = CriClient(b.containerd.socket, handler)
+    try:
+        cri.wait_ready()
+        log_dir = b.containerd.pod_logs / f"{handler}-{run}"
+        with cri.pod(f"bench-mem-{handler}-{run}", log_dir, host_network=False) as pod:
+            cids = []
+            for n in range(CONTAINERS):
+                cid = cri.create_container(
+                    pod, f"sleeper{n}", b.images.busybox, ["sleep", "3600"]
+                )
+                cri.start_container(cid)
+                cids.append(cid)
+            # What kubelet does every few seconds: status and stats of everything.
+            cri.pod_status(pod.id)
+            for cid in cids:
+                cri.container_status(cid)
+                cri.container_stats(cid)
+            time.sleep(SETTLE_S)
+            tasks = [pod.id, *cids]
+            daemons: set[int] = set()
+            for tid in tasks:
+                daemons |= b.containerd.shim_pids(CRI_NAMESPACE, tid)
+            if not daemons:
+                raise RuntimeError(f"{handler}: no process serves the shim socket of pod {pod.id}")
+            per_pid = {pid: smaps_rollup(pid) for pid in sorted(daemons)}
+            total = Mem(0, 0, 0)
+            for m in per_pid.values():
+                total = total + m
+            parents = {pid: ppid_of(pid) for pid in daemons}
+            forkserver: dict[str, Any] | None = None
+            for parent in set(parents.values()):
+                if "cedana_shim.cli.forkserver" in cmdline(parent):
+                    fm = smaps_rollup(parent)
+                    forkserver = {"pid": parent, "rss": fm.rss, "pss": fm.pss, "uss": fm.uss}
+            return {
+                "pod": pod.id,
+                "daemons": [
+                    {
+                        "pid": pid,
+                        "ppid": parents[pid],
+                        "cmdline": cmdline(pid),
+                        "rss": m.rss,
+                        "pss": m.pss,
+                        "uss": m.uss,
+                    }
+                    for pid, m in per_pid.items()
+                ],
+                "rss": total.rss,
+                "pss": total.pss,
+                "uss": total.uss,
+                "forkserver": forkserver,
+            }
+    finally:
+        cri.close()
+
+
+def main() -> int:
+    parser = base_parser(__doc__ or "", default_runs=5)
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="discarded pods per runtime (default 1)"
+    )
+    args = parser.parse_args()
+    if args.runs < 1 or args.warmup < 0:
+        parser.error("--runs must be >= 1 and --warmup >= 0")
+    ensure_venv()
+    require_root()
+    install_signal_handlers()
+
+    handlers = ("cedana", "runc")
+    report = Report(
+        "shim_memory",
+        {
+            "runs_per_runtime": args.runs,
+            "warmup_per_runtime": args.warmup,
+            "containerd": args.containerd,
+            "pod": f"CRI pod (CNI bridge network) + {CONTAINERS} busybox `sleep 3600` containers",
+            "settle_seconds": SETTLE_S,
+            "order": "interleaved: cedana pod, runc pod, cedana pod, ...",
+        },
+    )
+    measured: dict[str, list[dict[str, Any]]] = {h: [] for h in handlers}
+    cleanup = Cleanup()
+    try:
+        with private_containerd(args.containerd, cleanup, (CRI_NAMESPACE,), keep=args.keep) as b:
+            report.params["containerd_full"] = b.version.full
+            report.params["containerd_log"] = str(b.containerd.log_path)
+            total = args.warmup + args.runs
+            for i in range(total):
+                for handler in handlers:
+                    m = measure_pod(b, handler, i)
+                    warm = i >= args.warmup
+                    if warm:
+                        measured[handler].append(m)
+                    fs = m["forkserver"]
+                    fs_text = f", fork server RSS {fs['rss'] / MB:.1f} MB" if fs else ""
+                    tag = "" if warm else " (warm-up, discarded)"
+                    print(
+                        f"run {i + 1}/{total} {handler:6s} {len(m['daemons'])} daemon(s): "
+                        f"RSS {m['rss'] / MB:.1f} MB, PSS {m['pss'] / MB:.1f} MB, "
+                        f"USS {m['uss'] / MB:.1f} MB{fs_text}{tag}"
+                    )
+    finally:
+        cleanup.run()
+
+    def stat(handler: str, key: str) -> float:
+        return summarize([m[key] / MB for m in measured[handler]]).median
+
+    rows = []
+    summary: dict[str, Any] = {}
+    for handler in handlers:
+        daemons = sorted({len(m["daemons"]) for m in measured[handler]})
+        row: dict[str, Any] = {"daemons_per_pod": daemons}
+        for key in ("rss", "pss", "uss"):
+            st = summarize([m[key] / MB for m in measured[handler]])
+            row[key + "_mb"] = st.as_dict(2)
+        summary[handler] = row
+        rows.append(
+            [
+                handler,
+                ",".join(map(str, daemons)),
+                f"{row['rss_mb']['median']:.1f} ({row['rss_mb']['min']:.1f}-"
+                f"{row['rss_mb']['max']:.1f})",
+                f"{row['pss_mb']['median']:.1f} ({row['pss_mb']['min']:.1f}-"
+                f"{row['pss_mb']['max']:.1f})",
+                f"{row['uss_mb']['median']:.1f}",
+            ]
+        )
+    fs_samples = [m["forkserver"] for m in measured["cedana"] if m["forkserver"]]
+    if fs_samples:
+        fs_rss = summarize([f["rss"] / MB for f in fs_samples])
+        fs_pss = summarize([f["pss"] / MB for f in fs_samples])
+        summary["cedana_forkserver"] = {"rss_mb": fs_rss.as_dict(2), "pss_mb": fs_pss.as_dict(2)}
+        rows.append(
+            [
+                "(cedana fork server)",
+                "1",
+                f"{fs_rss.median:.1f}",
+                f"{fs_pss.median:.1f}",
+                "",
+            ]
+        )
+    else:
+        report.notes.append("no cedana daemon was a child of a fork server (cold path?)")
+
+    print(
+        f"\nshim daemon memory for one pod of {CONTAINERS} containers, containerd "
+        f"{args.containerd}, {args.runs} pods each (median, min-max), MB = MiB"
+    )
+    print_table(["runtime", "daemons", "RSS MB", "PSS MB", "USS MB"], rows)
+    rss_ratio = ratio(stat("cedana", "rss"), stat("runc", "rss"))
+    pss_ratio = ratio(stat("cedana", "pss"), stat("runc", "pss"))
+    cedana_rss = stat("cedana", "rss")
+    print(
+        f"ratio cedana/runc: RSS {rss_ratio:.2f}, PSS {pss_ratio:.2f}; cedana RSS "
+        f"{cedana_rss:.1f} MB (target <= {TARGET_RSS_MB:.0f} MB: "
+        f"{verdict(cedana_rss, TARGET_RSS_MB)})"
+    )
+    report.results = {
+        "unit": "MiB",
+        "summary": summary,
+        "ratio_rss_median": round(rss_ratio, 3),
+        "ratio_pss_median": round(pss_ratio, 3),
+        "target_rss_mb": TARGET_RSS_MB,
+        "meets_target": cedana_rss <= TARGET_RSS_MB,
+        "runs": measured,
+    }
+    report.notes.append(
+        "RSS of a forked cedana daemon counts every page it shares copy-on-write with the "
+        "fork server; PSS splits shared pages between the processes mapping them"
+    )
+    report.write(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
