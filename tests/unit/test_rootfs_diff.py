@@ -245,8 +245,11 @@ def test_archive_streams_through_a_pipe(tmp_path: Path) -> None:
     writer.start()
     dest = tmp_path / "dest"
     dest.mkdir()
+    spool = tmp_path / "spool"
+    spool.mkdir()
     with os.fdopen(r, "rb") as pipe:
-        stats = apply_dir(pipe, str(dest))
+        stats = apply_dir(pipe, str(dest), spool_dir=str(spool))
+    assert os.listdir(spool) == []  # unlinked while in use, gone after
     writer.join()
     assert stats.files == 2
     assert diff_snapshots(snapshot(src), snapshot(dest)) == []

@@ -117,26 +117,37 @@ def capture_dir(src: str, out_tar: str | BinaryIO, *, limits: Limits = DEFAULT_L
     return _capture(src, out_tar, overlay=False, exclude=frozenset(), limits=limits)
 
 
-def apply(tar_stream: BinaryIO | str, rootfs: str, *, limits: Limits = DEFAULT_LIMITS) -> DiffStats:
+def apply(
+    tar_stream: BinaryIO | str,
+    rootfs: str,
+    *,
+    limits: Limits = DEFAULT_LIMITS,
+    spool_dir: str | None = None,
+) -> DiffStats:
     """Apply a diff from :func:`capture` to a mounted, not yet running rootfs.
 
     Whiteouts and opaque markers delete what the rootfs had before the archive's
     entries are written, as OCI layer semantics require. A non-seekable stream
-    is spooled to a temporary file first: nothing is written before every
-    member has been validated.
+    (a decompressor) is spooled to an unlinked temporary file in ``spool_dir``
+    (default: $TMPDIR) first: nothing is written before every member has been
+    validated. Pass a directory on disk where /tmp is a small tmpfs.
     """
-    return _apply(tar_stream, rootfs, limits, whiteouts=True)
+    return _apply(tar_stream, rootfs, limits, spool_dir, whiteouts=True)
 
 
 def apply_dir(
-    tar_stream: BinaryIO | str, dest: str, *, limits: Limits = DEFAULT_LIMITS
+    tar_stream: BinaryIO | str,
+    dest: str,
+    *,
+    limits: Limits = DEFAULT_LIMITS,
+    spool_dir: str | None = None,
 ) -> DiffStats:
     """Restore a :func:`capture_dir` snapshot into ``dest``, merging over what is there.
 
     Names starting with ``.wh.`` are ordinary files here; all other rules of
     :func:`apply` hold.
     """
-    return _apply(tar_stream, dest, limits, whiteouts=False)
+    return _apply(tar_stream, dest, limits, spool_dir, whiteouts=False)
 
 
 def _layer_path(path: str) -> bytes:
@@ -209,8 +220,10 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
-def _apply(src: BinaryIO | str, dest: str, limits: Limits, *, whiteouts: bool) -> DiffStats:
-    with _archive(src, limits) as f:
+def _apply(
+    src: BinaryIO | str, dest: str, limits: Limits, spool_dir: str | None, *, whiteouts: bool
+) -> DiffStats:
+    with _archive(src, limits, spool_dir) as f:
         plan = make_plan(read_members(f, limits), limits, whiteouts=whiteouts)
         root_fd = _open_dir(dest, "rootfs")
         try:
@@ -224,7 +237,7 @@ def _apply(src: BinaryIO | str, dest: str, limits: Limits, *, whiteouts: bool) -
 
 
 @contextmanager
-def _archive(src: BinaryIO | str, limits: Limits) -> Iterator[BinaryIO]:
+def _archive(src: BinaryIO | str, limits: Limits, spool_dir: str | None) -> Iterator[BinaryIO]:
     """A seekable view of the archive: validation reads headers before any write."""
     if isinstance(src, str):
         try:
@@ -242,7 +255,7 @@ def _archive(src: BinaryIO | str, limits: Limits) -> Iterator[BinaryIO]:
     if _seekable(src):
         yield src
         return
-    with tempfile.TemporaryFile(prefix="rootfs-diff-") as spool:
+    with tempfile.TemporaryFile(prefix="rootfs-diff-", dir=spool_dir) as spool:
         total = 0
         while chunk := src.read(_SPOOL_CHUNK):
             total += len(chunk)
