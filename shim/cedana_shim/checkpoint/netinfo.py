@@ -12,6 +12,8 @@ the shim's start path.
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import Any, TypedDict
 
 
@@ -33,13 +35,55 @@ class NetworkFacts(TypedDict):
     routes: list[Route]
 
 
+CLONE_NEWNET = 0x40000000
+
+
 def network_facts(netns_path: str) -> NetworkFacts:
-    """Addresses and routes of the namespace at ``netns_path`` (e.g. /proc/PID/ns/net)."""
+    """Addresses and routes of the namespace at ``netns_path`` (e.g. /proc/PID/ns/net).
+
+    Read from a thread of its own that joins the namespace with setns(2): the
+    namespace is per thread, and pyroute2's own ``netns=`` support forks the
+    shim and signals the child, which an asyncio daemon must never have done
+    to it (the child shares the loop's signal wake-up fd).
+    """
+    outcome: list[NetworkFacts | BaseException] = []
+
+    def in_namespace() -> None:
+        try:
+            fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                _setns(fd, CLONE_NEWNET)
+            finally:
+                os.close(fd)
+            outcome.append(_read_facts())
+        except BaseException as err:  # handed to the caller's thread
+            outcome.append(err)
+
+    # A fresh thread, never a pooled one: it stays in that namespace until it ends.
+    worker = threading.Thread(target=in_namespace, name="netns-facts", daemon=True)
+    worker.start()
+    worker.join()
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _setns(fd: int, nstype: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, nstype) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+def _read_facts() -> NetworkFacts:
     from socket import AF_INET
 
     from pyroute2 import IPRoute  # type: ignore[import-untyped]
 
-    with IPRoute(netns=netns_path) as ip:
+    with IPRoute() as ip:
         names = {link["index"]: link.get_attr("IFLA_IFNAME") for link in ip.get_links()}
         addresses: list[Address] = [
             {
