@@ -7,7 +7,6 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-
 from cedana_shim.checkpoint.netinfo import network_facts, pod_addresses, same_addresses
 
 
@@ -18,7 +17,10 @@ def netns() -> Iterator[str]:
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
         subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        subprocess.run(["ip", "-n", name, "link", "add", "d0", "type", "dummy"], check=True)
+        subprocess.run(
+            ["ip", "-n", name, "link", "add", "d0", "type", "veth", "peer", "name", "d1"],
+            check=True,
+        )
         subprocess.run(["ip", "-n", name, "addr", "add", "10.77.0.5/24", "dev", "d0"], check=True)
         subprocess.run(["ip", "-n", name, "link", "set", "d0", "up"], check=True)
         yield f"/var/run/netns/{name}"
