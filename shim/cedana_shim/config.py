@@ -32,6 +32,8 @@ class NodeConfig:
     tcp_established: bool = True  # dump established TCP connections (restored when the IP is kept)
     file_locks: bool = True
     criu_config_extra: str = ""  # lines appended to the CRIU config file runc reads
+    # hooks.d directories, colon-separated; a later one overrides files of the same name
+    hooks_dirs: str = "/usr/share/cedana/hooks.d:/etc/cedana/hooks.d"
 
 
 def _coerce(name: str, kind: type, value: Any, source: str) -> Any:

@@ -18,11 +18,12 @@ import platform
 import shutil
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import __version__
 from ..config import NodeConfig
+from ..hooks import HookRunner, HookState, Stage
 from ..runtime.mount import Mount
 from ..runtime.reaper import Reaper
 from ..runtime.runc import CheckpointOpts, Runc
@@ -117,9 +118,10 @@ async def _first_line(reaper: Reaper, *argv: str) -> str:
 
 
 class Pipeline:
-    def __init__(self, store: Store, config: NodeConfig) -> None:
+    def __init__(self, store: Store, config: NodeConfig, hooks: HookRunner) -> None:
         self.store = store
         self.config = config
+        self.hooks = hooks
         self.versions = Versions()
 
     async def dump(
@@ -147,9 +149,21 @@ class Pipeline:
             metadata=metadata,
         )
         paused = False
+        criu_dir = ingest.dir(CRIU_LAYER)
+        state: HookState | None = None
         try:
+            # An operator's precheckpoint hook may veto: the container keeps running.
+            state = HookState(
+                target.container_id,
+                target.bundle,
+                "running",
+                target.pid,
+                target.spec,
+                ingest.id,
+                criu_dir,
+            )
+            await self.hooks.run(Stage.PRECHECKPOINT, state)
             criu_config.write(target.bundle, criu_config.dump_options(self.config))
-            criu_dir = ingest.dir(CRIU_LAYER)
             if freeze and leave_running:
                 await target.runc.pause(target.container_id)
                 paused = True
@@ -172,6 +186,10 @@ class Pipeline:
                 await target.runc.resume(target.container_id)
             if mirror_to:
                 await asyncio.to_thread(_mirror, criu_dir, mirror_to)
+            await self.hooks.run(
+                Stage.POSTCHECKPOINT,
+                replace(state, status="running" if leave_running else "stopped", outcome="ok"),
+            )
             ingest.add_dir_layer(CRIU_LAYER, criu_dir, MEDIA_TYPES[CRIU_LAYER])
             ingest.set_metadata(
                 timings={
@@ -184,6 +202,11 @@ class Pipeline:
             if paused:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(target.runc.resume(target.container_id))
+            if state is not None:  # a started pre stage always gets its post stage
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(
+                        self.hooks.run(Stage.POSTCHECKPOINT, replace(state, outcome="failed"))
+                    )
             await asyncio.shield(asyncio.to_thread(self.store.abort, ingest))
             raise
 

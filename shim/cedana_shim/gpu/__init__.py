@@ -1,1 +1,9 @@
-"""gpu layer (see ../shared/DESIGN.md)."""
+"""GPU layer: moves the GPU state of a container's CUDA processes into host memory
+before CRIU dumps them, and back after a restore (see ../shared/DESIGN.md).
+
+Modules, from the bottom: :mod:`.driver` (the Protocol, states, errors),
+:mod:`.driver_api` and :mod:`.driver_cli` (the two backends), :mod:`.select`,
+:mod:`.inventory` (NVML), :mod:`.compat` (restore checks), :mod:`.orchestrator`
+(freeze/thaw), :mod:`.doctor`, :mod:`.fake` (tests). Nothing here imports an
+NVIDIA module at import time.
+"""

@@ -26,6 +26,8 @@ from ..checkpoint.restore import Attempts, Planner, RestorePlan
 from ..checkpoint.store import Entry, Store, StoreConfig
 from ..config import NodeConfig, load_node_config
 from ..errors import FailedPrecondition, ShimError
+from ..hooks import HookState, ProcessHookRunner, Stage, reaper_spawn
+from ..runtime.reaper import Reaper
 from .events import EventSender
 
 log = logging.getLogger(__name__)
@@ -34,8 +36,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class CheckpointManager:
-    def __init__(self, events: EventSender) -> None:
+    def __init__(self, events: EventSender, reaper: Reaper) -> None:
         self.events = events
+        self.reaper = reaper
         self._pipelines: dict[str, Pipeline] = {}
         self._commits: set[asyncio.Task[Any]] = set()
 
@@ -51,7 +54,11 @@ class CheckpointManager:
                     retain=config.retain,
                 )
             )
-            pipeline = self._pipelines[config.store_path] = Pipeline(store, config)
+            hooks = ProcessHookRunner(
+                tuple(d for d in config.hooks_dirs.split(":") if d),
+                spawn=reaper_spawn(self.reaper),
+            )
+            pipeline = self._pipelines[config.store_path] = Pipeline(store, config, hooks)
         return Checkpointing(container_id, policy, pipeline, self)
 
     def publish(self, event: Message) -> None:
@@ -121,6 +128,13 @@ class Checkpointing:
         )
         return self.plan
 
+    def restore_hook_state(self, bundle: str, spec: Any, images: str) -> HookState:
+        entry_id = self.plan.entry.id if self.plan is not None else ""
+        return HookState(self.container_id, bundle, "creating", 0, spec, entry_id, images)
+
+    async def run_hooks(self, stage: Stage, state: HookState) -> None:
+        await self.pipeline.hooks.run(stage, state)
+
     def restore_failed(self, error: BaseException) -> None:
         if self.plan is not None:
             self.attempts.add(self.plan.entry, f"restore failed: {error}")
@@ -133,7 +147,8 @@ class Checkpointing:
         entry_id = self.plan.entry.id if restored and self.plan is not None else ""
         detail = str(self.attempts) if self.attempts.skipped or not restored else ""
         outcome = "restored" if restored else "cold"
-        log_fn = log.info if restored and not self.attempts.skipped else log.warning
+        # A first start with no checkpoint yet is normal; anything skipped is not.
+        log_fn = log.warning if self.attempts.skipped else log.info
         log_fn(
             "restored from checkpoint" if restored else "starting cold",
             extra={

@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..bundle_state import BundleState
@@ -23,6 +23,7 @@ from ..checkpoint import criu_config
 from ..checkpoint.pipeline import Target
 from ..checkpoint.rootfs_diff import upperdir_of
 from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ShimError
+from ..hooks import Stage
 from ..runtime.console import ConsoleSocket
 from ..runtime.mount import Mount, mount_all, unmount_all
 from ..runtime.reaper import Child, Reaper
@@ -318,9 +319,16 @@ class Container:
             await self._restore(self.restore_images, keep_tcp=True)
             return
         while self.cr.plan is not None:
+            hook_state = self.cr.restore_hook_state(self.bundle, self.spec, self.restore_images)
             try:
+                # An operator's prerestore hook may veto this candidate.
+                await self.cr.run_hooks(Stage.PRERESTORE, hook_state)
                 await self._restore(self.restore_images, keep_tcp=self.cr.plan.keep_tcp)
             except (ShimError, OSError) as err:
+                with contextlib.suppress(ShimError, OSError):
+                    await self.cr.run_hooks(
+                        Stage.POSTRESTORE, replace(hook_state, status="stopped", outcome="failed")
+                    )
                 log.warning("restore failed", extra={"container": self.id, "error": str(err)})
                 self.cr.restore_failed(err)
                 with contextlib.suppress(ShimError, OSError):
@@ -335,6 +343,11 @@ class Container:
                 )
                 self.restore_images = plan.image_dir if plan is not None else ""
                 continue
+            with contextlib.suppress(ShimError, OSError):  # post hooks report, never undo
+                await self.cr.run_hooks(
+                    Stage.POSTRESTORE,
+                    replace(hook_state, status="running", pid=self.init.pid, outcome="ok"),
+                )
             self.cr.report_restore(restored=True)
             return
         self.cr.report_restore(restored=False)

@@ -79,7 +79,7 @@ class TaskService:
         self.reaper = reaper
         self.debug = debug
         self.oom = oom
-        self.checkpoints = CheckpointManager(events)
+        self.checkpoints = CheckpointManager(events, reaper)
         self.containers: dict[str, Container] = {}
         self._on_shutdown = on_shutdown
         self._exit_tasks: set[asyncio.Task[None]] = set()

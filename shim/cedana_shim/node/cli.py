@@ -1,0 +1,423 @@
+"""The ``cedana node`` command line.
+
+``register(subparsers)`` adds ``node`` to the ``cedana`` admin CLI and ``run(args)``
+executes it; ``python -m cedana_shim.node`` runs the same commands on their own.
+Exit status: 0 done (``status``: all good), 1 a failure the message explains (or
+``status`` found a problem), 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import registration as reg
+
+_DESCRIPTION = """\
+Install cedana-shim on this node (or on the host mounted at --host-root), remove it
+again, or show what is installed. install: the Python environment under /opt/cedana,
+the shim on containerd's PATH (/usr/local/bin), CRIU >= 4.1 (checked), the node config
+(/etc/cedana/shim.toml), the 'cedana' runtime in containerd's config (a drop-in
+through `imports` where that is safe, otherwise a marked, backed-up block in the
+config), a containerd restart only when the config changed, and a CRI check that the
+handler answers. uninstall puts every file back exactly as it was."""
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--host-root",
+        default="/",
+        metavar="DIR",
+        help="the host's root directory (default /; /host in the DaemonSet)",
+    )
+    p.add_argument(
+        "--containerd-config",
+        default="/etc/containerd/config.toml",
+        metavar="PATH",
+        help="containerd's main config, a host path (default %(default)s)",
+    )
+    p.add_argument(
+        "--containerd-bin",
+        metavar="PATH",
+        help="containerd binary, a host path (default: found in /usr/local/bin, /usr/bin)",
+    )
+    p.add_argument(
+        "--containerd-socket",
+        metavar="PATH",
+        help="containerd's socket as this command sees it "
+        "(default: [grpc] address of the config, under --host-root)",
+    )
+    p.add_argument(
+        "--prefix",
+        default="/opt/cedana",
+        metavar="PATH",
+        help="where the Python environment goes, a host path (default %(default)s)",
+    )
+    p.add_argument(
+        "--bin-dir",
+        default="/usr/local/bin",
+        metavar="PATH",
+        help="directory on containerd's PATH for the launchers (default %(default)s)",
+    )
+    p.add_argument(
+        "--shim-config",
+        default=reg.DEFAULT_SHIM_CONFIG,
+        metavar="PATH",
+        help="the node config's host path, also the runtime's ConfigPath (default %(default)s)",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _install_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--payload",
+        metavar="DIR",
+        help="a payload made by `cedana node bundle` (default: build one from "
+        "the Python running this command)",
+    )
+    p.add_argument(
+        "--restart-command",
+        default="systemctl restart containerd",
+        metavar="CMD",
+        help="shell command that restarts containerd (default: %(default)s)",
+    )
+    p.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a node config setting (store_path, compression_level, ...); repeatable",
+    )
+    p.add_argument(
+        "--shim-config-file",
+        metavar="FILE",
+        help="install this file as the node config instead of --set values",
+    )
+    p.add_argument(
+        "--criu-source",
+        metavar="FILE",
+        help="a CRIU >= 4.1 binary to install as /usr/local/sbin/criu if the node has none",
+    )
+    p.add_argument(
+        "--skip-criu-check",
+        action="store_true",
+        help="install even without CRIU >= 4.1 (checkpoints will fail)",
+    )
+    p.add_argument(
+        "--no-dropin",
+        action="store_true",
+        help="always edit containerd's config instead of writing a drop-in",
+    )
+    p.add_argument(
+        "--verify",
+        choices=("none", "handler", "pod"),
+        default="pod",
+        help="after a change: none; handler (CRI lists it); pod (also runs a "
+        "pod sandbox and a container with it) (default %(default)s)",
+    )
+    p.add_argument(
+        "--probe-image",
+        metavar="IMAGE",
+        help="image for the probe container (default: the sandbox image)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="how long restarts and CRI checks may take (default %(default)s)",
+    )
+    p.add_argument(
+        "--kubelet-runtime-request-timeout",
+        metavar="DURATION",
+        help="set kubelet's runtimeRequestTimeout (e.g. 10m: restores of large "
+        "checkpoints outlast the default 2m) and restart kubelet",
+    )
+    p.add_argument(
+        "--kubelet-config",
+        default="/var/lib/kubelet/config.yaml",
+        metavar="PATH",
+        help="kubelet's config file, a host path (default %(default)s)",
+    )
+    p.add_argument(
+        "--kubelet-restart-command",
+        default="systemctl restart kubelet",
+        metavar="CMD",
+        help="shell command that restarts kubelet",
+    )
+
+
+def register(subparsers: Any) -> None:
+    """Add ``node`` and its subcommands to an argparse subparsers object."""
+    node = subparsers.add_parser(
+        "node",
+        help="install, remove or inspect cedana-shim on this node",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  cedana node install\n"
+            "  cedana node install --set store_path=/data/ckpt --set compression_level=5\n"
+            "  cedana node status --json\n"
+            "  cedana node uninstall\n"
+            "  cedana node run --host-root /host      # the DaemonSet helper"
+        ),
+    )
+    node.set_defaults(node_parser=node, node_command=None)
+    sub = node.add_subparsers(dest="node_command", metavar="SUBCOMMAND", title="subcommands")
+
+    p = sub.add_parser("install", help="install or update cedana-shim on the node")
+    _common(p)
+    _install_args(p)
+
+    p = sub.add_parser("uninstall", help="remove what install added; restore every file")
+    _common(p)
+    p.add_argument("--restart-command", default="systemctl restart containerd", metavar="CMD")
+    p.add_argument("--kubelet-config", default="/var/lib/kubelet/config.yaml", metavar="PATH")
+    p.add_argument("--kubelet-restart-command", default="systemctl restart kubelet", metavar="CMD")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS")
+    p.add_argument(
+        "--verify",
+        choices=("none", "handler"),
+        default="handler",
+        help="none: do not ask CRI (no running-pod check, no wait after restart)",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="uninstall even while pods run with the cedana runtime"
+    )
+
+    p = sub.add_parser("status", help="show what is installed and whether the handler answers")
+    _common(p)
+    p.add_argument("--no-cri", action="store_true", help="do not ask containerd's CRI")
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing; exit 0 when ok")
+
+    p = sub.add_parser("bundle", help="build the self-contained environment from this Python")
+    p.add_argument("output", metavar="DIR", help="a new directory for the payload")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser(
+        "run",
+        help="DaemonSet helper: taint, install, then keep the taint in step with readiness",
+    )
+    _common(p)
+    _install_args(p)
+    p.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME"),
+        metavar="NAME",
+        help="this node's name (default: env NODE_NAME)",
+    )
+    p.add_argument(
+        "--namespace",
+        default=os.environ.get("POD_NAMESPACE", "cedana-system"),
+        help="namespace of the helper/health-check pods (default: env POD_NAMESPACE)",
+    )
+    p.add_argument(
+        "--helper-selector",
+        default="app.kubernetes.io/component=helper",
+        metavar="SELECTOR",
+        help="label selector of the helper pods",
+    )
+    p.add_argument(
+        "--health-selector",
+        default="app.kubernetes.io/component=health-check",
+        metavar="SELECTOR",
+        help="label selector of the health-check pods",
+    )
+    p.add_argument("--interval", type=float, default=10.0, metavar="SECONDS")
+    p.add_argument("--reinstall-interval", type=float, default=600.0, metavar="SECONDS")
+    p.add_argument("--kubeconfig", metavar="FILE", help="default: in-cluster credentials")
+    p.add_argument("--kube-api", metavar="URL", help="API server URL without credentials")
+    p.add_argument(
+        "--uninstall",
+        action="store_true",
+        help="instead: taint and unlabel the node, uninstall, then idle",
+    )
+
+
+def _options(args: argparse.Namespace, **extra: Any) -> Any:
+    from .installer import Options, settings_from
+
+    common: dict[str, Any] = {
+        "host_root": args.host_root,
+        "prefix": args.prefix,
+        "bin_dir": args.bin_dir,
+        "containerd_config": args.containerd_config,
+        "containerd_bin": args.containerd_bin,
+        "containerd_socket": args.containerd_socket,
+        "shim_config": args.shim_config,
+    }
+    if hasattr(args, "payload"):
+        common.update(
+            payload=args.payload,
+            restart_command=args.restart_command,
+            shim_settings=settings_from(args.settings),
+            shim_config_file=args.shim_config_file,
+            criu_source=args.criu_source,
+            require_criu=not args.skip_criu_check,
+            allow_dropin=not args.no_dropin,
+            verify=args.verify,
+            probe_image=args.probe_image,
+            timeout=args.timeout,
+            kubelet_timeout=args.kubelet_runtime_request_timeout,
+            kubelet_config=args.kubelet_config,
+            kubelet_restart_command=args.kubelet_restart_command,
+            log=lambda msg: print(f"cedana node: {msg}", file=sys.stderr),
+        )
+    common.update(extra)
+    return Options(**common)
+
+
+def _print_report(report: Any, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(report.render())
+    if not report.ok:
+        print(f"cedana node {report.action}: {report.error}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute a parsed ``cedana node ...`` command; returns the exit status."""
+    from .report import NodeError
+    from .settings import SettingsError
+
+    command = getattr(args, "node_command", None)
+    if command is None:
+        args.node_parser.print_usage(sys.stderr)
+        print("cedana node: a subcommand is required (see --help)", file=sys.stderr)
+        return 2
+    try:
+        if command == "install":
+            from .installer import install
+
+            return _print_report(install(_options(args)), args.json)
+        if command == "uninstall":
+            from .installer import uninstall
+
+            opts = _options(
+                args,
+                restart_command=args.restart_command,
+                kubelet_config=args.kubelet_config,
+                kubelet_restart_command=args.kubelet_restart_command,
+                timeout=args.timeout,
+                verify=args.verify,
+                force=args.force,
+            )
+            return _print_report(uninstall(opts), args.json)
+        if command == "status":
+            return _status(args)
+        if command == "bundle":
+            return _bundle(args)
+        if command == "run":
+            return _run_helper(args)
+    except (NodeError, SettingsError) as err:
+        print(f"cedana node {command}: {err}", file=sys.stderr)
+        return 1
+    raise AssertionError(f"unknown node command {command}")
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .status import render, status
+
+    info = status(_options(args), check_cri=not args.no_cri)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    elif not args.quiet:
+        print(render(info))
+    return 0 if info["ok"] else 1
+
+
+def _bundle(args: argparse.Namespace) -> int:
+    from .payload import PayloadError, build
+
+    try:
+        manifest = build(args.output)
+    except PayloadError as err:
+        print(f"cedana node bundle: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(manifest.to_json(), indent=2))
+    else:
+        print(f"{args.output}: cedana-shim {manifest.version}, Python {manifest.python}")
+        for note in manifest.notes:
+            print(f"note: {note}")
+    return 0
+
+
+def _run_helper(args: argparse.Namespace) -> int:
+    from .cri import CriClient, CriError
+    from .hostfs import HostRoot
+    from .installer import install, socket_path, uninstall
+    from .kube import KubernetesApi
+    from .manager import Selectors, Stop, TaintController, run_loop
+    from .taint import Local
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not args.node_name:
+        print("cedana node run: --node-name (or env NODE_NAME) is required", file=sys.stderr)
+        return 2
+    api = KubernetesApi(kubeconfig=args.kubeconfig, api_url=args.kube_api)
+    selectors = Selectors(args.namespace, args.helper_selector, args.health_selector)
+    controller = TaintController(api, args.node_name, selectors)
+    stop = Stop()
+    stop.install_handlers()
+    opts = _options(args)
+
+    if args.uninstall:
+        controller.reconcile(Local(False, False), uninstalling=True)
+        code = _print_report(uninstall(opts), args.json)
+        stop.event.wait()
+        return code
+
+    def do_install() -> bool:
+        return _print_report(install(opts), args.json) == 0
+
+    def handler_ok() -> bool:
+        host = HostRoot(opts.host_root)
+        sock = opts.containerd_socket or socket_path(host, None, _main_config(opts))
+        try:
+            with CriClient(sock) as client:
+                return client.status().registered
+        except CriError:
+            return False
+
+    return run_loop(
+        controller,
+        do_install,
+        handler_ok,
+        interval=args.interval,
+        reinstall_interval=args.reinstall_interval,
+        stop=stop,
+    )
+
+
+def _main_config(opts: Any) -> dict[str, Any]:
+    from . import containerd_config as cc
+    from .hostfs import HostRoot
+
+    host = HostRoot(opts.host_root)
+    try:
+        with open(host.path(opts.containerd_config), "rb") as f:
+            return cc.parse(cc.ConfigFile(opts.containerd_config, f.read()))
+    except (OSError, cc.ConfigError):
+        return {}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m cedana_shim.node ...``: the same commands without the admin CLI."""
+    parser = argparse.ArgumentParser(prog="cedana")
+    register(parser.add_subparsers(dest="command"))
+    try:
+        args = parser.parse_args(["node", *(sys.argv[1:] if argv is None else argv)])
+    except SystemExit as exit_:
+        code = exit_.code
+        return code if isinstance(code, int) else 0 if code is None else 2
+    return run(args)

@@ -1,0 +1,186 @@
+"""The CRI calls that prove the ``cedana`` handler answers, made over gRPC on
+containerd's socket exactly as kubelet makes them.
+
+grpcio is imported only here and only when a check runs; a missing grpcio is
+reported as such (it ships in the DaemonSet image and in the node payload).
+"""
+
+# grpcio ships no type stubs and the generated *_pb2_grpc stubs are untyped; the typed
+# surface of this module is its own signatures.
+# mypy: disable-error-code="import-untyped,no-untyped-call"
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from . import registration as reg
+from .containerd_config import handler_in_cri_config
+
+RPC_TIMEOUT = 30.0
+
+
+class CriError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class HandlerStatus:
+    answering: bool  # the CRI service answered Status
+    runtime_type: str | None  # what CRI has registered for the cedana handler
+    handlers: tuple[str, ...]  # CRI's runtime_handlers (containerd >= 2.0 fills it)
+    sandbox_image: str | None
+    detail: str
+
+    @property
+    def registered(self) -> bool:
+        return self.runtime_type == reg.RUNTIME_TYPE
+
+
+def _modules() -> tuple[Any, Any, Any]:
+    try:
+        import grpc
+    except ImportError as err:
+        raise CriError(
+            "the CRI check needs grpcio, which this Python does not have "
+            "(`pip install grpcio`, or use `--verify none`)"
+        ) from err
+    from cedana_shim.api.cri.v1 import api_pb2, api_pb2_grpc
+
+    return grpc, api_pb2, api_pb2_grpc
+
+
+class CriClient:
+    def __init__(self, socket_path: str) -> None:
+        self.grpc, self.pb, pb_grpc = _modules()
+        self.socket_path = socket_path
+        self.channel = self.grpc.insecure_channel(f"unix://{socket_path}")
+        self.runtime = pb_grpc.RuntimeServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> CriClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _describe(self, err: Exception) -> str:
+        code = getattr(err, "code", None)
+        details = getattr(err, "details", None)
+        if callable(code) and callable(details):
+            return f"{code().name}: {details()}"
+        return str(err)
+
+    def status(self) -> HandlerStatus:
+        try:
+            resp = self.runtime.Status(self.pb.StatusRequest(verbose=True), timeout=5)
+        except self.grpc.RpcError as err:
+            return HandlerStatus(False, None, (), None, self._describe(err))
+        try:
+            config = json.loads(resp.info.get("config", "{}"))
+        except ValueError:
+            config = {}
+        handlers = tuple(h.name for h in resp.runtime_handlers)
+        runtime_type = handler_in_cri_config(config)
+        image = config.get("sandboxImage") or None
+        if runtime_type is None and reg.HANDLER in handlers:
+            runtime_type = "(listed, type not reported)"
+        detail = (
+            f"CRI lists handler {reg.HANDLER!r} ({runtime_type})"
+            if runtime_type
+            else f"CRI answers but has no {reg.HANDLER!r} handler"
+        )
+        return HandlerStatus(True, runtime_type, handlers, image, detail)
+
+    def wait_registered(self, timeout: float) -> HandlerStatus:
+        """containerd's CRI plugin answers a little after its socket appears."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.status()
+            if status.registered or time.monotonic() > deadline:
+                return status
+            time.sleep(0.2)
+
+    def cedana_pods(self) -> list[str]:
+        """Names of the pods that run now with the cedana handler."""
+        pb = self.pb
+        resp = self.runtime.ListPodSandbox(pb.ListPodSandboxRequest(), timeout=RPC_TIMEOUT)
+        return [
+            f"{p.metadata.namespace}/{p.metadata.name}"
+            for p in resp.items
+            if p.runtime_handler == reg.HANDLER and p.state == pb.SANDBOX_READY
+        ]
+
+    def probe_pod(self, image: str | None) -> str:
+        """Run a pod sandbox with the cedana handler and, given an image that is on
+        the node, a container in it; then remove both. Returns what ran."""
+        pb = self.pb
+        uid = uuid.uuid4().hex
+        config = pb.PodSandboxConfig(
+            metadata=pb.PodSandboxMetadata(
+                name=f"cedana-install-probe-{uid[:8]}", uid=uid, namespace="cedana-system"
+            ),
+            labels={"cedana.ai/probe": "true"},
+            linux=pb.LinuxPodSandboxConfig(
+                security_context=pb.LinuxSandboxSecurityContext(
+                    # The host's network: the probe must not depend on CNI being ready.
+                    namespace_options=pb.NamespaceOption(network=pb.NODE, pid=pb.CONTAINER)
+                )
+            ),
+        )
+        try:
+            pod = self.runtime.RunPodSandbox(
+                pb.RunPodSandboxRequest(config=config, runtime_handler=reg.HANDLER),
+                timeout=RPC_TIMEOUT,
+            ).pod_sandbox_id
+        except self.grpc.RpcError as err:
+            raise CriError(
+                f"RunPodSandbox with handler {reg.HANDLER!r}: {self._describe(err)}"
+            ) from None
+        try:
+            if not image:
+                return f"pod sandbox {pod[:12]} ran with handler {reg.HANDLER!r}"
+            try:
+                cid = self.runtime.CreateContainer(
+                    pb.CreateContainerRequest(
+                        pod_sandbox_id=pod,
+                        config=pb.ContainerConfig(
+                            metadata=pb.ContainerMetadata(name="probe"),
+                            image=pb.ImageSpec(image=image),
+                            linux=pb.LinuxContainerConfig(),
+                        ),
+                        sandbox_config=config,
+                    ),
+                    timeout=RPC_TIMEOUT,
+                ).container_id
+                self.runtime.StartContainer(
+                    pb.StartContainerRequest(container_id=cid), timeout=RPC_TIMEOUT
+                )
+                state = self.runtime.ContainerStatus(
+                    pb.ContainerStatusRequest(container_id=cid), timeout=RPC_TIMEOUT
+                ).status.state
+            except self.grpc.RpcError as err:
+                raise CriError(
+                    f"container ({image}) in a {reg.HANDLER!r} pod: {self._describe(err)}"
+                ) from None
+            if state not in (pb.CONTAINER_RUNNING, pb.CONTAINER_EXITED):
+                raise CriError(f"probe container {cid[:12]} is {pb.ContainerState.Name(state)}")
+            return (
+                f"pod sandbox {pod[:12]} and container {cid[:12]} ({image}) ran with "
+                f"handler {reg.HANDLER!r}"
+            )
+        finally:
+            with contextlib.suppress(self.grpc.RpcError):
+                self.runtime.StopPodSandbox(
+                    pb.StopPodSandboxRequest(pod_sandbox_id=pod), timeout=RPC_TIMEOUT
+                )
+            with contextlib.suppress(self.grpc.RpcError):
+                self.runtime.RemovePodSandbox(
+                    pb.RemovePodSandboxRequest(pod_sandbox_id=pod), timeout=RPC_TIMEOUT
+                )

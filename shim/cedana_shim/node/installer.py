@@ -1,0 +1,540 @@
+"""``cedana node install`` / ``uninstall``: the steps, in an order that keeps a node
+working if any of them fails.
+
+Every check that can refuse (config syntax and version, a conflicting runtime,
+CRIU, the node config) runs before anything is written. containerd is restarted
+only when its config changed (or a previous run changed it and did not get to
+restart), and the CRI is asked afterwards whether the ``cedana`` handler answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from . import containerd_config as cc
+from . import criu as criu_mod
+from . import payload as payload_mod
+from . import registration as reg
+from . import settings
+from .hostfs import STATE_DIR, HostRoot, InstallState, Managed, copy_tree, observe
+from .report import NodeError, Outcome, Report
+
+Verify = Literal["none", "handler", "pod"]
+CONTAINERD_BINARIES = ("/usr/local/bin/containerd", "/usr/bin/containerd", "/bin/containerd")
+
+
+@dataclass(frozen=True)
+class Options:
+    host_root: str = "/"
+    payload: str | None = None  # a built payload; None: build one from this interpreter
+    prefix: str = "/opt/cedana"
+    bin_dir: str = "/usr/local/bin"
+    containerd_config: str = "/etc/containerd/config.toml"
+    containerd_bin: str | None = None  # host path; None: the first of CONTAINERD_BINARIES
+    containerd_socket: str | None = None  # installer's view; None: from the config
+    restart_command: str = "systemctl restart containerd"
+    shim_config: str = reg.DEFAULT_SHIM_CONFIG
+    shim_settings: tuple[tuple[str, str], ...] = ()
+    shim_config_file: str | None = None
+    criu_source: str | None = None
+    require_criu: bool = True
+    allow_dropin: bool = True
+    verify: Verify = "pod"
+    probe_image: str | None = None
+    timeout: float = 120.0
+    kubelet_timeout: str | None = None
+    kubelet_config: str = "/var/lib/kubelet/config.yaml"
+    kubelet_restart_command: str = "systemctl restart kubelet"
+    force: bool = False
+    log: Callable[[str], None] = field(default=lambda _msg: None, compare=False)
+
+
+@dataclass
+class _Context:
+    opts: Options
+    host: HostRoot
+    state: InstallState
+    managed: Managed
+    report: Report
+
+
+def _context(opts: Options, action: str) -> _Context:
+    if not os.path.isdir(opts.host_root):
+        raise NodeError(f"--host-root {opts.host_root} is not a directory")
+    host = HostRoot(opts.host_root)
+    try:
+        state = InstallState(host)
+    except OSError as err:
+        raise NodeError(str(err)) from None
+    return _Context(opts, host, state, Managed(host, state), Report(action))
+
+
+# -- reading the node ------------------------------------------------------------------
+
+
+def containerd_version(
+    host: HostRoot, binary: str | None
+) -> tuple[tuple[int, int, int] | None, str]:
+    candidates = [binary] if binary else list(CONTAINERD_BINARIES)
+    for path in candidates:
+        if not os.path.isfile(host.path(path)):
+            continue
+        try:
+            proc = host.run([path, "--version"], timeout=30)
+        except (OSError, subprocess.SubprocessError) as err:
+            return None, f"{path} --version failed: {err}"
+        version = cc.parse_containerd_version(proc.stdout.decode(errors="replace"))
+        if version is not None:
+            return version, f"{path} is containerd {'.'.join(map(str, version))}"
+        return None, f"{path} --version printed no version"
+    if binary:
+        raise NodeError(f"--containerd-bin {binary}: no such file under {host}")
+    return None, "no containerd binary found; going by the config's version"
+
+
+def _read(host: HostRoot, host_path: str) -> bytes | None:
+    try:
+        with open(host.path(host_path), "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        raise NodeError(f"{host.display(host_path)} is a directory, not a config file") from None
+
+
+def _expand(host: HostRoot, pattern: str) -> list[str]:
+    directory, name = os.path.split(pattern)
+    if any(c in directory for c in "*?["):
+        root = host.path("/")
+        found = glob.glob(os.path.join(root, pattern.lstrip("/")))
+        return sorted("/" + os.path.relpath(p, root) for p in found)
+    real = host.path(directory)
+    if not os.path.isdir(real):
+        return []
+    return sorted(
+        os.path.join(directory, n)
+        for n in os.listdir(real)
+        if cc.go_match(name, n) and os.path.isfile(os.path.join(real, n))
+    )
+
+
+def read_snapshot(
+    ctx: _Context, version: tuple[int, int, int] | None
+) -> tuple[cc.Snapshot, dict[str, Any]]:
+    host = ctx.host
+    main = cc.ConfigFile(ctx.opts.containerd_config, _read(host, ctx.opts.containerd_config))
+    parsed = cc.parse(main)
+    previous = ctx.state.get("registration") or {}
+    own = previous.get("target") if previous.get("mode") == "dropin" else None
+    imported = []
+    for pattern in cc.import_patterns(main, parsed):
+        for path in _expand(host, pattern):
+            if path != own and path != main.path:
+                imported.append(cc.ConfigFile(path, _read(host, path)))
+    for file in imported:
+        cc.parse(file)  # an invalid imported file is reported by its own name
+    return cc.Snapshot(main, tuple(imported), version), parsed
+
+
+def _shell(command: str, timeout: float) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        ["/bin/sh", "-c", command], capture_output=True, timeout=timeout, check=False
+    )
+
+
+def _node_config(ctx: _Context) -> bytes | None:
+    """The node config to write, or None to leave the host's as it is."""
+    opts = ctx.opts
+    if opts.shim_config_file:
+        with open(opts.shim_config_file, "rb") as f:
+            data = f.read()
+        origin = opts.shim_config_file
+    elif opts.shim_settings:
+        data = settings.render_node_config(opts.shim_settings)
+        origin = "--set " + " ".join(f"{k}={v}" for k, v in opts.shim_settings)
+    elif (
+        os.path.exists(ctx.host.path(opts.shim_config)) and opts.shim_config not in ctx.state.files
+    ):
+        return None  # the node's own config: not ours to replace
+    else:
+        # ConfigPath names this file: a missing one fails every opted-in container.
+        data = settings.render_node_config(())
+        origin = "default node config"
+    settings.validate_node_config(data, origin)
+    return data
+
+
+# -- install ---------------------------------------------------------------------------
+
+
+def install(opts: Options) -> Report:
+    ctx = _context(opts, "install")
+    try:
+        _install(ctx)
+    except (NodeError, cc.ConfigError, payload_mod.PayloadError, settings.SettingsError) as err:
+        ctx.report.fail(str(err))
+    return ctx.report
+
+
+def _install(ctx: _Context) -> None:
+    opts, host, report = ctx.opts, ctx.host, ctx.report
+    # Preflight: nothing is written until all of these pass.
+    version, detail = containerd_version(host, opts.containerd_bin)
+    report.add("containerd", "ok", detail)
+    snapshot, main_parsed = read_snapshot(ctx, version)
+    plan = cc.plan_registration(snapshot, opts.shim_config, allow_dropin=opts.allow_dropin)
+    node_config = _node_config(ctx)
+    criu_check = criu_mod.check(host)
+    if not criu_check.ok and opts.criu_source is None and opts.require_criu:
+        raise NodeError(f"{criu_check.problem}. {criu_mod.HOW_TO_GET}")
+    if opts.criu_source is not None and not criu_check.ok:
+        out = subprocess.run(
+            [opts.criu_source, "--version"], capture_output=True, timeout=30, check=False
+        )
+        got = criu_mod.parse_version((out.stdout + out.stderr).decode(errors="replace"))
+        if got is None or got[:2] < criu_mod.MINIMUM:
+            raise NodeError(f"--criu-source {opts.criu_source} is not a CRIU >= 4.1 ({got})")
+    kubelet_new = None
+    if opts.kubelet_timeout:
+        current = _read(host, opts.kubelet_config)
+        if current is None:
+            raise NodeError(
+                f"{host.display(opts.kubelet_config)} does not exist (--kubelet-config)"
+            )
+        kubelet_new = settings.set_kubelet_timeout(
+            current.decode(), opts.kubelet_timeout, opts.kubelet_config
+        ).encode()
+
+    ctx.state.save()
+    _install_env(ctx)
+    for name in payload_mod.LAUNCHERS:
+        link = f"{opts.bin_dir}/{name}"
+        target = settings.relpath_link(f"{opts.prefix}/bin/{name}", link)
+        changed = ctx.managed.put_symlink(link, target)
+        report.add(f"launcher {name}", "changed" if changed else "unchanged", f"{link} -> {target}")
+    if node_config is not None:
+        changed = ctx.managed.put_file(opts.shim_config, node_config, 0o644)
+        report.add("node config", "changed" if changed else "unchanged", opts.shim_config)
+    else:
+        report.add("node config", "unchanged", f"{opts.shim_config} (the node's own, kept)")
+    if criu_check.ok:
+        report.add("criu", "ok", criu_check.describe())
+    elif opts.criu_source is not None:
+        with open(opts.criu_source, "rb") as f:
+            changed = ctx.managed.put_file(criu_mod.INSTALL_PATH, f.read(), 0o755)
+        report.add(
+            "criu",
+            "changed" if changed else "unchanged",
+            f"{opts.criu_source} -> {criu_mod.INSTALL_PATH}",
+        )
+    else:
+        report.add("criu", "warning", f"{criu_check.problem} (--skip-criu-check)")
+
+    registration_changed = _apply_registration(ctx, plan)
+    restart_needed = registration_changed or bool(ctx.state.get("restart_pending"))
+    if restart_needed:
+        _restart(ctx)
+    if opts.verify != "none":
+        _verify(ctx, main_parsed, restarted=restart_needed)
+    if kubelet_new is not None:
+        if ctx.managed.put_file(opts.kubelet_config, kubelet_new):
+            report.add("kubelet", "changed", f"runtimeRequestTimeout: {opts.kubelet_timeout}")
+            _run_restart(opts.kubelet_restart_command, "kubelet", opts.timeout)
+        else:
+            report.add("kubelet", "unchanged", f"runtimeRequestTimeout: {opts.kubelet_timeout}")
+
+
+def _install_env(ctx: _Context) -> None:
+    opts, host, report = ctx.opts, ctx.host, ctx.report
+    dst = host.path(opts.prefix, follow_last=False)
+    current = payload_mod.Manifest.load(dst)
+    if os.path.lexists(dst) and current is None and not ctx.state.get("env"):
+        raise NodeError(
+            f"{host.display(opts.prefix)} exists and is not a cedana payload: move it away "
+            "(or pass --prefix) and run the install again"
+        )
+    if opts.payload and os.path.realpath(opts.payload) == os.path.realpath(dst):
+        manifest = current
+        staging = None
+    else:
+        staging = f"{dst}.cedana-new"
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        if opts.payload:
+            manifest = payload_mod.Manifest.load(opts.payload)
+            if manifest is None:
+                raise NodeError(
+                    f"--payload {opts.payload} has no {payload_mod.MANIFEST}: build one with "
+                    "`cedana node bundle DIR`"
+                )
+            if current is None or current.digest != manifest.digest:
+                copy_tree(opts.payload, staging)
+        else:
+            opts.log("building the payload from this Python")
+            manifest = payload_mod.build(staging)
+    assert manifest is not None
+    if ctx.state.get("env") is None:
+        ctx.state.set("env", {"path": opts.prefix, "existed": current is not None})
+        ctx.state.save()
+    if staging is not None and (current is None or current.digest != manifest.digest):
+        old = f"{dst}.cedana-old"
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.lexists(dst):
+            os.rename(dst, old)
+        os.rename(staging, dst)
+        shutil.rmtree(old, ignore_errors=True)
+        outcome: Outcome = "changed"
+    else:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        outcome = "unchanged"
+    _check_env_runs(ctx, manifest)
+    notes = f"; {'; '.join(manifest.notes)}" if manifest.notes else ""
+    report.add(
+        "environment",
+        outcome,
+        f"{opts.prefix}: cedana-shim {manifest.version}, Python {manifest.python}{notes}",
+    )
+
+
+def _check_env_runs(ctx: _Context, manifest: payload_mod.Manifest) -> None:
+    pyver = ".".join(manifest.python.split(".")[:2])
+    interpreter = f"{ctx.opts.prefix}/bin/python{pyver}"
+    code = "import cedana_shim.cli.shim_main, google.protobuf, zstandard"
+    proc = ctx.host.run([interpreter, "-I", "-c", code], timeout=120)
+    if proc.returncode != 0:
+        raise NodeError(
+            f"{ctx.host.display(interpreter)} cannot run cedana-shim on this host (exit "
+            f"{proc.returncode}): {proc.stderr.decode(errors='replace').strip()[-1500:]}; "
+            "the payload's Python must suit the host's C library"
+        )
+
+
+def _apply_registration(ctx: _Context, plan: cc.Plan) -> bool:
+    previous = ctx.state.get("registration") or {}
+    changed = False
+    if previous and previous.get("target") != plan.target:
+        changed |= _undo_registration(ctx, previous)
+    if plan.content is not None:
+        if plan.mode == "dropin":
+            ctx.managed.ensure_dir(os.path.dirname(plan.target))
+        changed |= ctx.managed.put_file(plan.target, plan.content)
+    ctx.state.set(
+        "registration",
+        {"mode": plan.mode, "target": plan.target, "config_version": plan.config_version},
+    )
+    if changed:
+        ctx.state.set("restart_pending", True)
+    ctx.state.save()
+    why = "; ".join(plan.reasons)
+    ctx.report.add(
+        f"registration ({plan.mode})",
+        "changed" if changed else "unchanged",
+        f"{plan.target} (config version {plan.config_version}){': ' + why if why else ''}",
+    )
+    return changed
+
+
+def _undo_registration(ctx: _Context, record: dict[str, Any]) -> bool:
+    """Take back the registration a previous install made; True if a file changed."""
+    target = record.get("target")
+    if record.get("mode") == "present" or not target or target not in ctx.state.files:
+        return False
+    if ctx.managed.unchanged_since_install(target):
+        ctx.managed.restore(target)
+        ctx.report.add("registration", "changed", f"{target}: restored as it was before install")
+        return True
+    real = ctx.host.path(target, follow_last=False)
+    now = observe(real)
+    if record.get("mode") in ("edit", "create") and now.kind == "file":
+        stripped = cc.restore_edited(now.data)
+        backup = ctx.state.files[target]["prior"].get("backup")
+        if stripped != now.data:
+            ctx.managed.forget(target, keep_backup=True)
+            with open(real, "wb") as f:
+                f.write(stripped)
+            ctx.report.add(
+                "registration",
+                "warning",
+                f"{target} changed since install: removed only the cedana block "
+                f"(the file as it was before install: {backup})",
+            )
+            return True
+    ctx.managed.forget(target, keep_backup=True)
+    ctx.report.add("registration", "warning", f"{target} changed since install: left as it is")
+    return False
+
+
+def _run_restart(command: str, what: str, timeout: float) -> None:
+    try:
+        proc = _shell(command, timeout)
+    except subprocess.TimeoutExpired:
+        raise NodeError(f"restarting {what}: `{command}` took over {timeout:.0f}s") from None
+    if proc.returncode != 0:
+        raise NodeError(
+            f"restarting {what}: `{command}` exited {proc.returncode}: "
+            f"{(proc.stderr or proc.stdout).decode(errors='replace').strip()[-1500:]} "
+            "(the config change is in place; fix the command and run install again)"
+        )
+
+
+def _restart(ctx: _Context) -> None:
+    ctx.state.set("restart_pending", True)
+    ctx.state.save()
+    _run_restart(ctx.opts.restart_command, "containerd", ctx.opts.timeout)
+    ctx.report.restarted = True
+    ctx.report.add("containerd restart", "changed", f"`{ctx.opts.restart_command}`")
+    if ctx.opts.verify == "none":
+        ctx.state.set("restart_pending", False)
+        ctx.state.save()
+
+
+def socket_path(host: HostRoot, explicit: str | None, main_parsed: dict[str, Any]) -> str:
+    return explicit or host.path(settings.default_containerd_socket(main_parsed))
+
+
+def _verify(ctx: _Context, main_parsed: dict[str, Any], *, restarted: bool) -> None:
+    from .cri import CriClient, CriError
+
+    opts = ctx.opts
+    sock = socket_path(ctx.host, opts.containerd_socket, main_parsed)
+    try:
+        with CriClient(sock) as client:
+            status = client.wait_registered(opts.timeout if restarted else 5)
+            if not status.registered and not restarted:
+                # The config on disk has the handler but containerd runs an older one.
+                _restart(ctx)
+                status = client.wait_registered(opts.timeout)
+            if not status.registered:
+                raise NodeError(
+                    f"containerd at {sock}: {status.detail}; its log says why "
+                    "(e.g. `journalctl -u containerd`)"
+                )
+            ctx.state.set("restart_pending", False)
+            ctx.state.save()
+            ctx.report.add("handler", "ok", status.detail)
+            if opts.verify == "pod":
+                image = (
+                    opts.probe_image or status.sandbox_image or settings.sandbox_image(main_parsed)
+                )
+                ctx.report.add("probe pod", "ok", client.probe_pod(image))
+    except CriError as err:
+        raise NodeError(f"CRI check at {sock}: {err}") from None
+
+
+# -- uninstall -------------------------------------------------------------------------
+
+
+def uninstall(opts: Options) -> Report:
+    ctx = _context(opts, "uninstall")
+    try:
+        _uninstall(ctx)
+    except (NodeError, cc.ConfigError) as err:
+        ctx.report.fail(str(err))
+    return ctx.report
+
+
+def _uninstall(ctx: _Context) -> None:
+    opts, host, state, report = ctx.opts, ctx.host, ctx.state, ctx.report
+    if not state.exists:
+        report.add("state", "unchanged", f"nothing installed ({host.display(STATE_DIR)} is absent)")
+        return
+    main_parsed = cc.parse(
+        cc.ConfigFile(opts.containerd_config, _read(host, opts.containerd_config))
+    )
+    if opts.verify != "none" and not opts.force:
+        _refuse_if_pods(ctx, main_parsed)
+    registration = state.get("registration") or {}
+    changed = _undo_registration(ctx, registration) if registration else False
+    state.set("registration", None)
+    state.save()
+    if changed or state.get("restart_pending"):
+        _restart(ctx)
+        if opts.verify != "none":
+            _wait_cri(ctx, main_parsed)
+    kubelet_restored = False
+    for path in list(state.files):
+        if ctx.managed.unchanged_since_install(path):
+            outcome = ctx.managed.restore(path)
+            report.add(path, "changed", outcome)
+            kubelet_restored |= path == opts.kubelet_config
+        else:
+            backup = state.files[path]["prior"].get("backup")
+            ctx.managed.forget(path, keep_backup=True)
+            report.add(path, "warning", f"changed since install: left as it is (backup: {backup})")
+    if kubelet_restored:
+        _run_restart(opts.kubelet_restart_command, "kubelet", opts.timeout)
+    env = state.get("env")
+    if env and not env.get("existed"):
+        dst = host.path(env["path"], follow_last=False)
+        if os.path.lexists(dst):
+            shutil.rmtree(dst)
+            report.add("environment", "changed", f"{env['path']} removed")
+    left = ctx.managed.remove_created_dirs()
+    _remove_state(ctx, keep=bool(left))
+
+
+def _refuse_if_pods(ctx: _Context, main_parsed: dict[str, Any]) -> None:
+    from .cri import CriClient, CriError
+
+    sock = socket_path(ctx.host, ctx.opts.containerd_socket, main_parsed)
+    if not os.path.exists(sock):
+        return  # containerd is not running: no pod can be using the runtime
+    try:
+        with CriClient(sock) as client:
+            pods = client.cedana_pods()
+    except (CriError, Exception) as err:  # grpc errors: containerd down or not CRI
+        ctx.report.add("pods", "warning", f"could not list pods at {sock}: {err}")
+        return
+    if pods:
+        raise NodeError(
+            f"{len(pods)} pod(s) still run with the cedana runtime ({', '.join(pods[:5])}): "
+            "drain the node (or delete them) first, or pass --force"
+        )
+
+
+def _wait_cri(ctx: _Context, main_parsed: dict[str, Any]) -> None:
+    from .cri import CriClient, CriError
+
+    sock = socket_path(ctx.host, ctx.opts.containerd_socket, main_parsed)
+    deadline = time.monotonic() + ctx.opts.timeout
+    try:
+        with CriClient(sock) as client:
+            while not (status := client.status()).answering:
+                if time.monotonic() > deadline:
+                    raise NodeError(f"containerd at {sock} did not come back: {status.detail}")
+                time.sleep(0.2)
+    except CriError as err:
+        raise NodeError(f"CRI check at {sock}: {err}") from None
+    ctx.report.add("containerd", "ok", "answers again after the restart")
+
+
+def _remove_state(ctx: _Context, *, keep: bool) -> None:
+    state = ctx.state
+    if keep or state.files:
+        state.save()
+        return
+    backups = state.backup_dir()
+    if os.path.isdir(backups) and not os.listdir(backups):
+        os.rmdir(backups)
+    if os.path.isdir(backups):
+        state.save()  # backups of files changed since install are kept, and said where
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(state.file)
+    for d in dict.fromkeys([STATE_DIR, *state.get("state_dirs", [])]):
+        with contextlib.suppress(OSError):
+            os.rmdir(ctx.host.path(d, follow_last=False))
+    ctx.report.add("state", "changed", f"{STATE_DIR} removed")
+
+
+def settings_from(pairs: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    return tuple(settings.parse_setting(p) for p in pairs)

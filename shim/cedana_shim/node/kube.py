@@ -1,0 +1,94 @@
+"""The three Kubernetes API calls the helper makes, behind a small typed surface.
+
+The rest of the package sees plain JSON dicts and two exceptions; which version of
+the ``kubernetes`` client is installed (typed models or not) stays in this file.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+STRATEGIC_MERGE = "application/strategic-merge-patch+json"
+
+
+class KubeError(Exception):
+    pass
+
+
+class Conflict(KubeError):
+    """The object changed since it was read (HTTP 409): read again and retry."""
+
+
+class NodeApi(Protocol):
+    def get_node(self, name: str) -> dict[str, Any]: ...
+
+    def patch_node(self, name: str, patch: dict[str, Any]) -> dict[str, Any]: ...
+
+    def list_pods(self, namespace: str, node: str, label_selector: str) -> list[dict[str, Any]]: ...
+
+
+class KubernetesApi:
+    """``NodeApi`` over the official client: in-cluster credentials by default, a
+    kubeconfig file, or a plain URL (``--kube-api``, for tests and proxies)."""
+
+    def __init__(self, *, kubeconfig: str | None = None, api_url: str | None = None) -> None:
+        from kubernetes import client, config
+
+        configuration = client.Configuration()
+        if api_url:
+            configuration.host = api_url
+        elif kubeconfig:
+            config.load_kube_config(  # type: ignore[no-untyped-call, unused-ignore]
+                config_file=kubeconfig, client_configuration=configuration
+            )
+        else:
+            config.load_incluster_config(  # type: ignore[no-untyped-call, unused-ignore]
+                client_configuration=configuration
+            )
+        self._client: Any = client.ApiClient(configuration)
+        self._core: Any = client.CoreV1Api(self._client)
+        self._exception: type[Exception] = client.ApiException
+
+    def _plain(self, obj: Any) -> Any:
+        return self._client.sanitize_for_serialization(obj)
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except self._exception as err:
+            status = getattr(err, "status", None)
+            reason = getattr(err, "reason", "") or ""
+            if status == 409:
+                raise Conflict(f"{what}: conflict ({reason})") from None
+            raise KubeError(f"{what}: HTTP {status} {reason}".strip()) from None
+        except OSError as err:  # urllib3 wraps connection failures in OSError subclasses
+            raise KubeError(f"{what}: {err}") from None
+
+    def get_node(self, name: str) -> dict[str, Any]:
+        node: dict[str, Any] = self._plain(
+            self._call(f"GET node {name}", self._core.read_node, name)
+        )
+        return node
+
+    def patch_node(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        node: dict[str, Any] = self._plain(
+            self._call(
+                f"PATCH node {name}",
+                self._core.patch_node,
+                name,
+                patch,
+                _content_type=STRATEGIC_MERGE,
+            )
+        )
+        return node
+
+    def list_pods(self, namespace: str, node: str, label_selector: str) -> list[dict[str, Any]]:
+        pods = self._call(
+            f"LIST pods in {namespace}",
+            self._core.list_namespaced_pod,
+            namespace,
+            field_selector=f"spec.nodeName={node}",
+            label_selector=label_selector,
+        )
+        items: list[dict[str, Any]] = [self._plain(p) for p in pods.items]
+        return items

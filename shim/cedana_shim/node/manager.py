@@ -1,0 +1,123 @@
+"""``cedana node run``: the DaemonSet helper's loop.
+
+1. Taint the node at once: a helper that (re)starts has proven nothing yet.
+2. Install (idempotent: on an installed node it changes nothing and restarts nothing).
+3. Every ``interval``: read the node and this node's helper/health-check pods, check
+   that CRI still lists the handler, and patch the taint/label to match ``taint.decide``.
+   The install runs again every ``reinstall_interval`` to repair drift (someone
+   rewrote containerd's config), and at once after a failed attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+
+from . import taint
+from .kube import Conflict, KubeError, NodeApi
+
+log = logging.getLogger("cedana.node")
+
+
+@dataclass(frozen=True)
+class Selectors:
+    namespace: str
+    helper: str  # label selectors of this release's pods
+    health: str
+
+
+class TaintController:
+    def __init__(self, api: NodeApi, node: str, selectors: Selectors) -> None:
+        self.api = api
+        self.node = node
+        self.selectors = selectors
+
+    def pods(self) -> list[taint.PodState]:
+        found: list[taint.PodState] = []
+        for role, selector in (
+            ("helper", self.selectors.helper),
+            ("health", self.selectors.health),
+        ):
+            for pod in self.api.list_pods(self.selectors.namespace, self.node, selector):
+                found.append(taint.pod_state(pod, role))  # type: ignore[arg-type]
+        return found
+
+    def reconcile(self, local: taint.Local, *, uninstalling: bool = False) -> taint.Decision:
+        """Make the node's taint and label match the decision; retried on conflicts."""
+        for attempt in range(5):
+            node = self.api.get_node(self.node)
+            pods = self.pods() if local.installed and not uninstalling else []
+            decision = taint.decide(pods, local, uninstalling=uninstalling)
+            patch = taint.node_patch(node, decision)
+            if patch is None:
+                return decision
+            try:
+                self.api.patch_node(self.node, patch)
+            except Conflict:
+                time.sleep(0.05 * (attempt + 1))
+                continue
+            verb = "tainted" if decision.tainted else "untainted"
+            log.info("node %s %s: %s", self.node, verb, "; ".join(decision.reasons) or "ready")
+            return decision
+        raise KubeError(f"node {self.node} kept changing under the patch (5 conflicts)")
+
+
+class Stop:
+    """Set by SIGTERM/SIGINT; the loop's sleeps wake up on it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def install_handlers(self) -> None:
+        def handler(signum: int, frame: FrameType | None) -> None:
+            self.event.set()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def wait(self, seconds: float) -> bool:
+        return self.event.wait(seconds)
+
+
+def run_loop(
+    controller: TaintController,
+    install: Callable[[], bool],
+    handler_ok: Callable[[], bool],
+    *,
+    interval: float,
+    reinstall_interval: float,
+    stop: Stop,
+    max_rounds: int | None = None,
+) -> int:
+    """The helper's life; returns when ``stop`` is set (or after ``max_rounds``)."""
+    local = taint.Local(installed=False, handler_ok=False)
+    _reconcile(controller, local)
+    installed_at: float | None = None
+    rounds = 0
+    while not stop.event.is_set():
+        now = time.monotonic()
+        if installed_at is None or now - installed_at >= reinstall_interval:
+            ok = install()
+            installed_at = now if ok else None
+            local = taint.Local(installed=ok, handler_ok=ok)
+        else:
+            local = taint.Local(installed=True, handler_ok=handler_ok())
+        _reconcile(controller, local)
+        rounds += 1
+        if max_rounds is not None and rounds >= max_rounds:
+            break
+        stop.wait(interval)
+    return 0
+
+
+def _reconcile(controller: TaintController, local: taint.Local) -> None:
+    try:
+        controller.reconcile(local)
+    except KubeError as err:
+        # The API server being away must not kill the helper: the next round retries.
+        log.warning("taint reconcile failed: %s", err)
