@@ -34,6 +34,9 @@ class NodeConfig:
     criu_config_extra: str = ""  # lines appended to the CRIU config file runc reads
     # hooks.d directories, colon-separated; a later one overrides files of the same name
     hooks_dirs: str = "/usr/share/cedana/hooks.d:/etc/cedana/hooks.d"
+    gpu_backend: str = "auto"  # auto | driver-api | cuda-checkpoint
+    cuda_checkpoint_path: str = ""  # default: cuda-checkpoint on PATH
+    gpu_lock_timeout_ms: int = 10000  # how long a CUDA lock waits for submitted work
 
 
 def _coerce(name: str, kind: type, value: Any, source: str) -> Any:
@@ -95,6 +98,10 @@ def load_node_config(path: str | None = None, env: Mapping[str, str] | None = No
     config = NodeConfig(**parsed)
     if not 1 <= config.compression_level <= 22:
         raise InvalidArgument(f"compression_level {config.compression_level} is not in 1..22")
+    if config.gpu_backend not in ("auto", "driver-api", "cuda-checkpoint"):
+        raise InvalidArgument(
+            f"gpu_backend {config.gpu_backend!r} is not auto, driver-api or cuda-checkpoint"
+        )
     if config.retain < 1:
         raise InvalidArgument(f"retain {config.retain} must keep at least one checkpoint")
     return config

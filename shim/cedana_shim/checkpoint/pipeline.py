@@ -28,6 +28,7 @@ from ..runtime.mount import Mount
 from ..runtime.reaper import Reaper
 from ..runtime.runc import CheckpointOpts, Runc
 from . import criu_config
+from .gpu_steps import GpuDump, GpuSteps
 from .netinfo import network_facts
 from .policy import Policy
 from .rootfs_diff import capture, capture_dir, upperdir_of
@@ -118,10 +119,11 @@ async def _first_line(reaper: Reaper, *argv: str) -> str:
 
 
 class Pipeline:
-    def __init__(self, store: Store, config: NodeConfig, hooks: HookRunner) -> None:
+    def __init__(self, store: Store, config: NodeConfig, hooks: HookRunner, gpu: GpuSteps) -> None:
         self.store = store
         self.config = config
         self.hooks = hooks
+        self.gpu = gpu
         self.versions = Versions()
 
     async def dump(
@@ -151,6 +153,7 @@ class Pipeline:
         paused = False
         criu_dir = ingest.dir(CRIU_LAYER)
         state: HookState | None = None
+        gpu: GpuDump | None = None
         try:
             # An operator's precheckpoint hook may veto: the container keeps running.
             state = HookState(
@@ -163,6 +166,8 @@ class Pipeline:
                 criu_dir,
             )
             await self.hooks.run(Stage.PRECHECKPOINT, state)
+            # GPU state into host memory first: a cgroup-frozen process cannot be locked.
+            gpu = await self.gpu.before_dump(target.container_id, target.spec, target.runc)
             criu_config.write(target.bundle, criu_config.dump_options(self.config))
             if freeze and leave_running:
                 await target.runc.pause(target.container_id)
@@ -184,6 +189,10 @@ class Pipeline:
             if paused:
                 paused = False
                 await target.runc.resume(target.container_id)
+            if gpu is not None:
+                await self.gpu.after_dump(gpu, thaw_processes=leave_running)
+                ingest.set_metadata(gpu=gpu.metadata)
+                gpu = None
             if mirror_to:
                 await asyncio.to_thread(_mirror, criu_dir, mirror_to)
             await self.hooks.run(
@@ -202,6 +211,9 @@ class Pipeline:
             if paused:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(target.runc.resume(target.container_id))
+            if gpu is not None:  # the dump failed: the processes live on, give the GPU back
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.gpu.after_dump(gpu, thaw_processes=True))
             if state is not None:  # a started pre stage always gets its post stage
                 with contextlib.suppress(Exception):
                     await asyncio.shield(

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ShimError
+from .gpu_steps import GpuSteps
 from .netinfo import same_addresses
 from .pipeline import CRIU_LAYER, ROOTFS_LAYER, SHM_LAYER, shm_source
 from .rootfs_diff import apply, apply_dir
@@ -36,6 +37,13 @@ class RestorePlan:
     image_dir: str
     work_dir: str
     keep_tcp: bool  # the pod kept its addresses: established connections can live
+    gpu_device_map: Mapping[str, str] | None = None  # recorded GPU UUID -> this node's
+
+    @property
+    def gpu(self) -> Mapping[str, Any]:
+        """The checkpoint's GPU record; empty for a CPU-only checkpoint."""
+        recorded = self.entry.metadata.get("gpu")
+        return recorded if isinstance(recorded, Mapping) else {}
 
 
 @dataclass
@@ -63,8 +71,10 @@ def compatible(entry: Entry) -> str:
 
 
 class Planner:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, gpu: GpuSteps, container_id: str) -> None:
         self.store = store
+        self.gpu = gpu
+        self.container_id = container_id
 
     def prepare(
         self,
@@ -88,6 +98,7 @@ class Planner:
                 continue
             work = os.path.join(bundle, "work", RESTORE_DIR, entry.id)
             try:
+                device_map = self._gpu_mapping(entry, spec)
                 self.store.verify(entry)
                 shutil.rmtree(work, ignore_errors=True)
                 os.makedirs(work, mode=0o700)
@@ -110,9 +121,17 @@ class Planner:
                 reset_rootfs()
                 continue
             keep_tcp = same_addresses(entry.metadata.get("network"), network)
-            plan = RestorePlan(entry, image_dir, os.path.join(work, "criu-work"), keep_tcp)
+            plan = RestorePlan(
+                entry, image_dir, os.path.join(work, "criu-work"), keep_tcp, device_map
+            )
             return plan, candidates[index + 1 :]
         return None, []
+
+    def _gpu_mapping(self, entry: Entry, spec: Mapping[str, Any]) -> dict[str, str] | None:
+        recorded = entry.metadata.get("gpu")
+        if not isinstance(recorded, Mapping) or not recorded.get("processes"):
+            return None
+        return self.gpu.restore_mapping(recorded, spec, self.container_id)
 
     @staticmethod
     def discard(plan: RestorePlan) -> None:

@@ -20,13 +20,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
 from typing import ClassVar, Final, Protocol
 
 from .. import errors
 
 
-class ProcessState(StrEnum):
+class _Text(str, Enum):  # noqa: UP042 - see below
+    # Prints as its value, like 3.11's StrEnum; spelled out so that the GPU check
+    # also runs under the older Pythons that GPU images ship.
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class ProcessState(_Text):
     """A process's CUDA checkpoint state, as ``cuda-checkpoint --get-state`` prints it."""
 
     RUNNING = "running"
@@ -36,7 +46,7 @@ class ProcessState(StrEnum):
     FAILED = "failed"
 
 
-class Step(StrEnum):
+class Step(_Text):
     STATE = "get-state"
     LOCK = "lock"
     CHECKPOINT = "checkpoint"

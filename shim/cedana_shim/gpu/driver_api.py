@@ -47,7 +47,6 @@ CUDA_ERROR_NOT_INITIALIZED: Final = 3
 CUDA_ERROR_DEINITIALIZED: Final = 4
 CUDA_ERROR_NO_DEVICE: Final = 100
 CUDA_ERROR_ILLEGAL_STATE: Final = 401
-CUDA_ERROR_NOT_FOUND: Final = 500
 CUDA_ERROR_NOT_READY: Final = 600
 CUDA_ERROR_NOT_SUPPORTED: Final = 801
 CUDA_ERROR_TIMEOUT: Final = 909
@@ -341,11 +340,10 @@ class DriverApi:
                 pid=pid,
                 step=step,
             )
-        if step is Step.STATE and err in (
-            CUDA_ERROR_INVALID_VALUE,
-            CUDA_ERROR_NOT_FOUND,
-            CUDA_ERROR_NOT_SUPPORTED,
-        ):
+        unusable = (CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_DEINITIALIZED, CUDA_ERROR_NO_DEVICE)
+        if step is Step.STATE and err not in unusable:
+            # Which code a process without CUDA gets is not documented; any refusal to
+            # report a state means there is nothing of ours to freeze or thaw in it.
             return GpuNotFound(f"not a CUDA process ({name})", pid=pid, step=step)
         if err == CUDA_ERROR_NOT_SUPPORTED:
             return GpuUnimplemented(
@@ -354,7 +352,7 @@ class DriverApi:
                 pid=pid,
                 step=step,
             )
-        if err in (CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_DEINITIALIZED, CUDA_ERROR_NO_DEVICE):
+        if err in unusable:
             init = f"; cuInit: {self._b.error_name(self._init_error)}" if self._init_error else ""
             return GpuUnavailable(
                 f"the CUDA driver is not usable from the shim ({name}{init}): enable "

@@ -101,10 +101,10 @@ async def thaw(
     container (after CRIU restore; the host pids differ from the dumped ones, so
     pass ``total_bytes`` from the checkpoint metadata to get a GB/s figure). Each
     process is taken from whatever state it is in: a CHECKPOINTED one is restored and
-    unlocked, a LOCKED one unlocked, a RUNNING one left alone. A failed step is
-    retried once; if a process still cannot run, :class:`GpuRecoveryFailed` (or the
-    failure's own class) lists each pid's fate, after every other process was
-    brought to RUNNING.
+    unlocked, a LOCKED one unlocked, a RUNNING one left alone, a pid without CUDA
+    skipped. A failed step is retried once (noted in ``Thawed.notes``); if a process
+    still cannot run, :class:`GpuRecoveryFailed` lists each pid's fate, after every
+    other process was brought to RUNNING.
     """
     if isinstance(target, Frozen):
         container_id = container_id or target.container_id
@@ -208,7 +208,7 @@ async def _freeze(run: _Run, procs: Mapping[int, GpuProcess], lock_timeout_ms: i
     for pid, err in refused.items():
         run.note(pid, f"not touched: {err.detail}")
     if refused:
-        raise _failure(run, "freeze", refused, dict.fromkeys(live, "running"))
+        raise _failure(run, "freeze", refused, dict.fromkeys(live, "running"), touched=False)
     if run.cancelled:
         raise asyncio.CancelledError
 
@@ -390,7 +390,12 @@ def _recover(run: _Run, pid: int, device_map: Mapping[str, str] | None) -> str:
 
 
 def _failure(
-    run: _Run, op: str, failed: Mapping[int, GpuError], finals: Mapping[int, str]
+    run: _Run,
+    op: str,
+    failed: Mapping[int, GpuError],
+    finals: Mapping[int, str],
+    *,
+    touched: bool = True,
 ) -> GpuError:
     """One error for a failure that spans processes: the first failure's class (by
     step, then pid), or GpuRecoveryFailed when a process is left unable to run."""
@@ -412,15 +417,17 @@ def _failure(
             "driver has no rollback: kill the container and restore it from its last "
             f"checkpoint. Per process: {per_pid}"
         )
-        err: GpuError = GpuRecoveryFailed(
-            first.detail, pid=first.pid, step=first.step, message=message
+    elif not touched:
+        message = (
+            f"GPU {op} of {who} refused ({first}); no process was touched. Per process: {per_pid}"
         )
     else:
         message = (
             f"GPU {op} of {who} failed ({first}); every process was returned to running, the "
             f"workload goes on. Per process: {per_pid}"
         )
-        err = type(first)(first.detail, pid=first.pid, step=first.step, message=message)
+    cls = GpuRecoveryFailed if stuck else type(first)
+    err = cls(first.detail, pid=first.pid, step=first.step, message=message)
     err.reports = reports
     err.__cause__ = first
     log.warning(message, extra={"container": run.container_id})

@@ -169,7 +169,8 @@ def register(subparsers: Any) -> None:
             "  cedana node run --host-root /host      # the DaemonSet helper"
         ),
     )
-    node.set_defaults(node_parser=node, node_command=None)
+    # `handler`: what the admin CLI's main() dispatches to, as for its own commands.
+    node.set_defaults(handler=run, node_parser=node, node_command=None)
     sub = node.add_subparsers(dest="node_command", metavar="SUBCOMMAND", title="subcommands")
 
     p = sub.add_parser("install", help="install or update cedana-shim on the node")
@@ -300,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
 
             return _print_report(install(_options(args)), args.json)
         if command == "uninstall":
-            from .installer import uninstall
+            from .uninstaller import uninstall
 
             opts = _options(
                 args,
@@ -355,10 +356,11 @@ def _bundle(args: argparse.Namespace) -> int:
 def _run_helper(args: argparse.Namespace) -> int:
     from .cri import CriClient, CriError
     from .hostfs import HostRoot
-    from .installer import install, socket_path, uninstall
+    from .installer import install, socket_path
     from .kube import KubernetesApi
     from .manager import Selectors, Stop, TaintController, run_loop
     from .taint import Local
+    from .uninstaller import uninstall
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not args.node_name:

@@ -51,6 +51,11 @@ class ConfigError(Exception):
 class ConfigFile:
     path: str  # as containerd sees it (a host path)
     data: bytes | None  # None: the file does not exist
+    shown: str = ""  # the name errors use (the installer's view of the path)
+
+    @property
+    def name(self) -> str:
+        return self.shown or self.path
 
 
 @dataclass(frozen=True)
@@ -91,10 +96,10 @@ def parse(file: ConfigFile) -> dict[str, Any]:
     try:
         return tomllib.loads(file.data.decode())
     except UnicodeDecodeError as err:
-        raise ConfigError(f"{file.path} is not UTF-8 text ({err}): fix the file") from None
+        raise ConfigError(f"{file.name} is not UTF-8 text ({err}): fix the file") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(
-            f"{file.path} is not valid TOML ({err}); containerd cannot read it either: "
+            f"{file.name} is not valid TOML ({err}); containerd cannot read it either: "
             "fix it and run the install again (nothing was changed)"
         ) from None
 
@@ -108,19 +113,32 @@ def has_block(text: str) -> bool:
     return _BLOCK_RE.search(text) is not None
 
 
-def append_block(text: str, version: int, shim_config: str) -> str:
+def append_block(text: str, version: int, shim_config: str, *, default_runc: bool = False) -> str:
     base = strip_block(text)
     if base and not base.endswith("\n"):
         base += "\n"
-    return f"{base}\n{BLOCK_BEGIN}\n{reg.render_tables(version, shim_config)}{BLOCK_END}\n"
+    tables = reg.render_tables(version, shim_config, default_runc=default_runc)
+    return f"{base}\n{BLOCK_BEGIN}\n{tables}{BLOCK_END}\n"
 
 
-def import_patterns(main: ConfigFile, parsed: Mapping[str, Any]) -> list[str]:
+def import_patterns(
+    main: ConfigFile, parsed: Mapping[str, Any], ctrd: tuple[int, ...] | None = None
+) -> list[str]:
+    """The ``imports`` as absolute host paths. A relative path is relative to the main
+    config's directory, except a relative glob in containerd 1.x, which Go's
+    ``filepath.Glob`` resolves against containerd's working directory: ``/`` under
+    systemd."""
     raw = parsed.get("imports", [])
     if not isinstance(raw, list) or not all(isinstance(p, str) for p in raw):
-        raise ConfigError(f"{main.path}: `imports` must be a list of strings")
+        raise ConfigError(f"{main.name}: `imports` must be a list of strings")
     base = posixpath.dirname(main.path)
-    return [p if posixpath.isabs(p) else posixpath.join(base, p) for p in raw]
+    old_glob = ctrd is None or ctrd[0] < 2
+    out = []
+    for p in raw:
+        if not posixpath.isabs(p):
+            p = posixpath.join("/" if old_glob and _magic(p) else base, p)
+        out.append(posixpath.normpath(p))
+    return out
 
 
 def go_match(pattern: str, name: str) -> bool:
@@ -164,18 +182,18 @@ def config_version(
     version = parsed.get("version")
     if version is None:
         raise ConfigError(
-            f"{main.path} has no `version`: containerd reads it as the removed version 1 "
+            f"{main.name} has no `version`: containerd reads it as the removed version 1 "
             "schema. Regenerate it with `containerd config default` (or migrate it with "
             "`containerd config migrate` on 2.x), then run the install again"
         )
     if version not in (2, 3):
         raise ConfigError(
-            f"{main.path}: config version {version!r} is not supported (2 for containerd "
+            f"{main.name}: config version {version!r} is not supported (2 for containerd "
             "1.6/1.7, 3 for 2.x): migrate it, then run the install again"
         )
     if version == 3 and ctrd is not None and ctrd[0] < 2:
         raise ConfigError(
-            f"{main.path} is config version 3 but containerd is "
+            f"{main.name} is config version 3 but containerd is "
             f"{'.'.join(map(str, ctrd))}, which reads at most version 2: fix the config"
         )
     return int(version)
@@ -192,9 +210,13 @@ def plan_registration(
     wanted = reg.runtime_table(version, shim_config)
     rt_path = (*reg.runtimes_path(version), reg.HANDLER)
 
+    deep_merge = (
+        snap.containerd_version[0] >= 2 if snap.containerd_version is not None else version >= 3
+    )
     if main_text is None:
         content = f"version = {version}\n\n{BLOCK_BEGIN}\n"
-        content += reg.render_tables(version, shim_config) + f"{BLOCK_END}\n"
+        content += reg.render_tables(version, shim_config, default_runc=not deep_merge)
+        content += f"{BLOCK_END}\n"
         return Plan(
             "create",
             version,
@@ -210,7 +232,7 @@ def plan_registration(
         own = has_block(text)
         parsed = main_parsed if file is snap.main and not own else None
         if parsed is None:
-            parsed = parse(ConfigFile(file.path, strip_block(text).encode()))
+            parsed = parse(ConfigFile(file.path, strip_block(text).encode(), file.shown))
         files.append((file, parsed, text))
 
     for file, parsed, _ in files:
@@ -226,20 +248,26 @@ def plan_registration(
                 (f"{file.path} already registers the {reg.HANDLER!r} runtime; left as it is",),
             )
         raise ConfigError(
-            f"{file.path} already defines a {reg.HANDLER!r} runtime that differs from "
+            f"{file.name} already defines a {reg.HANDLER!r} runtime that differs from "
             f"cedana's ({'.'.join(rt_path)}): remove that table (or make it match "
             f"runtimeclass/containerd-config-v{version}.toml) and run the install again"
         )
 
-    deep_merge = (
-        snap.containerd_version[0] >= 2 if snap.containerd_version is not None else version >= 3
-    )
-    patterns = import_patterns(snap.main, main_parsed)
+    patterns = import_patterns(snap.main, main_parsed, snap.containerd_version)
     dropin = dropin_target(patterns) if allow_dropin else None
     reasons: list[str] = []
     target = snap.main
+    default_runc = False
     if not deep_merge:
-        cri_files = [f for f, parsed, _ in files if _get(parsed, ("plugins", reg.CRI_PLUGIN[2]))]
+        cri = [(f, p) for f, p, _ in files if _get(p, ("plugins", reg.CRI_PLUGIN[2])) is not None]
+        effective = _get(cri[-1][1], ("plugins", reg.CRI_PLUGIN[2])) if cri else {}
+        default_runc = _lacks_default_runtime(effective)
+        if default_runc:
+            reasons.append(
+                "no file names containerd's default runc runtime: adding it beside cedana "
+                "(containerd 1.x drops its built-in runtimes once a config defines any)"
+            )
+        cri_files = [f for f, _ in cri]
         if cri_files:
             target = cri_files[-1]
             if dropin is not None:
@@ -255,7 +283,7 @@ def plan_registration(
             "dropin",
             version,
             dropin,
-            reg.render_dropin(version, shim_config).encode(),
+            reg.render_dropin(version, shim_config, default_runc=default_runc).encode(),
             tuple(reasons),
         )
     if not patterns:
@@ -263,15 +291,24 @@ def plan_registration(
     elif not reasons:
         reasons.append(f"no imports glob of {snap.main.path} can hold a drop-in: editing it")
     text = next(t for f, _, t in files if f is target)
-    new_text = append_block(text, version, shim_config)
-    check = parse(ConfigFile(target.path, new_text.encode()))
+    new_text = append_block(text, version, shim_config, default_runc=default_runc)
+    check = parse(ConfigFile(target.path, new_text.encode(), target.shown))
     if not _same_registration(_get(check, rt_path), wanted):
         raise ConfigError(
-            f"{target.path}: adding the cedana runtime tables does not take effect "
+            f"{target.name}: adding the cedana runtime tables does not take effect "
             "(the runtimes table is defined inline?): add them by hand:\n"
             + reg.render_tables(version, shim_config)
         )
     return Plan("edit", version, target.path, new_text.encode(), tuple(reasons))
+
+
+def _lacks_default_runtime(cri_table: Any) -> bool:
+    containerd = cri_table.get("containerd", {}) if isinstance(cri_table, Mapping) else {}
+    if not isinstance(containerd, Mapping):
+        return False
+    default = containerd.get("default_runtime_name", "runc")
+    runtimes = containerd.get("runtimes", {})
+    return default == "runc" and not (isinstance(runtimes, Mapping) and "runc" in runtimes)
 
 
 def _same_registration(existing: Any, wanted: Mapping[str, Any]) -> bool:

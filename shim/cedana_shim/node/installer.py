@@ -9,12 +9,10 @@ restart), and the CRI is asked afterwards whether the ``cedana`` handler answers
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -24,7 +22,7 @@ from . import criu as criu_mod
 from . import payload as payload_mod
 from . import registration as reg
 from . import settings
-from .hostfs import STATE_DIR, HostRoot, InstallState, Managed, copy_tree, observe
+from .hostfs import HostRoot, InstallState, Managed, copy_tree, observe
 from .report import NodeError, Outcome, Report
 
 Verify = Literal["none", "handler", "pod"]
@@ -58,7 +56,7 @@ class Options:
 
 
 @dataclass
-class _Context:
+class Context:
     opts: Options
     host: HostRoot
     state: InstallState
@@ -66,7 +64,7 @@ class _Context:
     report: Report
 
 
-def _context(opts: Options, action: str) -> _Context:
+def make_context(opts: Options, action: str) -> Context:
     if not os.path.isdir(opts.host_root):
         raise NodeError(f"--host-root {opts.host_root} is not a directory")
     host = HostRoot(opts.host_root)
@@ -74,7 +72,7 @@ def _context(opts: Options, action: str) -> _Context:
         state = InstallState(host)
     except OSError as err:
         raise NodeError(str(err)) from None
-    return _Context(opts, host, state, Managed(host, state), Report(action))
+    return Context(opts, host, state, Managed(host, state), Report(action))
 
 
 # -- reading the node ------------------------------------------------------------------
@@ -100,7 +98,7 @@ def containerd_version(
     return None, "no containerd binary found; going by the config's version"
 
 
-def _read(host: HostRoot, host_path: str) -> bytes | None:
+def read_host_file(host: HostRoot, host_path: str) -> bytes | None:
     try:
         with open(host.path(host_path), "rb") as f:
             return f.read()
@@ -127,18 +125,19 @@ def _expand(host: HostRoot, pattern: str) -> list[str]:
 
 
 def read_snapshot(
-    ctx: _Context, version: tuple[int, int, int] | None
+    ctx: Context, version: tuple[int, int, int] | None
 ) -> tuple[cc.Snapshot, dict[str, Any]]:
     host = ctx.host
-    main = cc.ConfigFile(ctx.opts.containerd_config, _read(host, ctx.opts.containerd_config))
+    path = ctx.opts.containerd_config
+    main = cc.ConfigFile(path, read_host_file(host, path), host.display(path))
     parsed = cc.parse(main)
     previous = ctx.state.get("registration") or {}
     own = previous.get("target") if previous.get("mode") == "dropin" else None
     imported = []
-    for pattern in cc.import_patterns(main, parsed):
+    for pattern in cc.import_patterns(main, parsed, version):
         for path in _expand(host, pattern):
             if path != own and path != main.path:
-                imported.append(cc.ConfigFile(path, _read(host, path)))
+                imported.append(cc.ConfigFile(path, read_host_file(host, path), host.display(path)))
     for file in imported:
         cc.parse(file)  # an invalid imported file is reported by its own name
     return cc.Snapshot(main, tuple(imported), version), parsed
@@ -150,7 +149,7 @@ def _shell(command: str, timeout: float) -> subprocess.CompletedProcess[bytes]:
     )
 
 
-def _node_config(ctx: _Context) -> bytes | None:
+def _node_config(ctx: Context) -> bytes | None:
     """The node config to write, or None to leave the host's as it is."""
     opts = ctx.opts
     if opts.shim_config_file:
@@ -176,7 +175,7 @@ def _node_config(ctx: _Context) -> bytes | None:
 
 
 def install(opts: Options) -> Report:
-    ctx = _context(opts, "install")
+    ctx = make_context(opts, "install")
     try:
         _install(ctx)
     except (NodeError, cc.ConfigError, payload_mod.PayloadError, settings.SettingsError) as err:
@@ -184,7 +183,7 @@ def install(opts: Options) -> Report:
     return ctx.report
 
 
-def _install(ctx: _Context) -> None:
+def _install(ctx: Context) -> None:
     opts, host, report = ctx.opts, ctx.host, ctx.report
     # Preflight: nothing is written until all of these pass.
     version, detail = containerd_version(host, opts.containerd_bin)
@@ -204,7 +203,7 @@ def _install(ctx: _Context) -> None:
             raise NodeError(f"--criu-source {opts.criu_source} is not a CRIU >= 4.1 ({got})")
     kubelet_new = None
     if opts.kubelet_timeout:
-        current = _read(host, opts.kubelet_config)
+        current = read_host_file(host, opts.kubelet_config)
         if current is None:
             raise NodeError(
                 f"{host.display(opts.kubelet_config)} does not exist (--kubelet-config)"
@@ -241,18 +240,18 @@ def _install(ctx: _Context) -> None:
     registration_changed = _apply_registration(ctx, plan)
     restart_needed = registration_changed or bool(ctx.state.get("restart_pending"))
     if restart_needed:
-        _restart(ctx)
+        restart_containerd(ctx)
     if opts.verify != "none":
         _verify(ctx, main_parsed, restarted=restart_needed)
     if kubelet_new is not None:
         if ctx.managed.put_file(opts.kubelet_config, kubelet_new):
             report.add("kubelet", "changed", f"runtimeRequestTimeout: {opts.kubelet_timeout}")
-            _run_restart(opts.kubelet_restart_command, "kubelet", opts.timeout)
+            run_restart(opts.kubelet_restart_command, "kubelet", opts.timeout)
         else:
             report.add("kubelet", "unchanged", f"runtimeRequestTimeout: {opts.kubelet_timeout}")
 
 
-def _install_env(ctx: _Context) -> None:
+def _install_env(ctx: Context) -> None:
     opts, host, report = ctx.opts, ctx.host, ctx.report
     dst = host.path(opts.prefix, follow_last=False)
     current = payload_mod.Manifest.load(dst)
@@ -262,29 +261,33 @@ def _install_env(ctx: _Context) -> None:
             "(or pass --prefix) and run the install again"
         )
     if opts.payload and os.path.realpath(opts.payload) == os.path.realpath(dst):
+        if current is None:
+            raise NodeError(f"--payload {opts.payload} has no {payload_mod.MANIFEST}")
         manifest = current
         staging = None
     else:
         staging = f"{dst}.cedana-new"
         shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        ctx.managed.ensure_dir(os.path.dirname(opts.prefix))
         if opts.payload:
-            manifest = payload_mod.Manifest.load(opts.payload)
-            if manifest is None:
+            given = payload_mod.Manifest.load(opts.payload)
+            if given is None:
                 raise NodeError(
                     f"--payload {opts.payload} has no {payload_mod.MANIFEST}: build one with "
                     "`cedana node bundle DIR`"
                 )
+            manifest = given
             if current is None or current.digest != manifest.digest:
                 copy_tree(opts.payload, staging)
         else:
             opts.log("building the payload from this Python")
             manifest = payload_mod.build(staging)
-    assert manifest is not None
     if ctx.state.get("env") is None:
         ctx.state.set("env", {"path": opts.prefix, "existed": current is not None})
         ctx.state.save()
     if staging is not None and (current is None or current.digest != manifest.digest):
+        # Proven on the host before it replaces anything containerd may run.
+        _check_env_runs(ctx, manifest, f"{opts.prefix}.cedana-new")
         old = f"{dst}.cedana-old"
         shutil.rmtree(old, ignore_errors=True)
         if os.path.lexists(dst):
@@ -296,7 +299,7 @@ def _install_env(ctx: _Context) -> None:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
         outcome = "unchanged"
-    _check_env_runs(ctx, manifest)
+        _check_env_runs(ctx, manifest, opts.prefix)
     notes = f"; {'; '.join(manifest.notes)}" if manifest.notes else ""
     report.add(
         "environment",
@@ -305,9 +308,9 @@ def _install_env(ctx: _Context) -> None:
     )
 
 
-def _check_env_runs(ctx: _Context, manifest: payload_mod.Manifest) -> None:
+def _check_env_runs(ctx: Context, manifest: payload_mod.Manifest, prefix: str) -> None:
     pyver = ".".join(manifest.python.split(".")[:2])
-    interpreter = f"{ctx.opts.prefix}/bin/python{pyver}"
+    interpreter = f"{prefix}/bin/python{pyver}"
     code = "import cedana_shim.cli.shim_main, google.protobuf, zstandard"
     proc = ctx.host.run([interpreter, "-I", "-c", code], timeout=120)
     if proc.returncode != 0:
@@ -318,11 +321,11 @@ def _check_env_runs(ctx: _Context, manifest: payload_mod.Manifest) -> None:
         )
 
 
-def _apply_registration(ctx: _Context, plan: cc.Plan) -> bool:
+def _apply_registration(ctx: Context, plan: cc.Plan) -> bool:
     previous = ctx.state.get("registration") or {}
     changed = False
     if previous and previous.get("target") != plan.target:
-        changed |= _undo_registration(ctx, previous)
+        changed |= undo_registration(ctx, previous)
     if plan.content is not None:
         if plan.mode == "dropin":
             ctx.managed.ensure_dir(os.path.dirname(plan.target))
@@ -343,7 +346,7 @@ def _apply_registration(ctx: _Context, plan: cc.Plan) -> bool:
     return changed
 
 
-def _undo_registration(ctx: _Context, record: dict[str, Any]) -> bool:
+def undo_registration(ctx: Context, record: dict[str, Any]) -> bool:
     """Take back the registration a previous install made; True if a file changed."""
     target = record.get("target")
     if record.get("mode") == "present" or not target or target not in ctx.state.files:
@@ -373,7 +376,7 @@ def _undo_registration(ctx: _Context, record: dict[str, Any]) -> bool:
     return False
 
 
-def _run_restart(command: str, what: str, timeout: float) -> None:
+def run_restart(command: str, what: str, timeout: float) -> None:
     try:
         proc = _shell(command, timeout)
     except subprocess.TimeoutExpired:
@@ -386,10 +389,10 @@ def _run_restart(command: str, what: str, timeout: float) -> None:
         )
 
 
-def _restart(ctx: _Context) -> None:
+def restart_containerd(ctx: Context) -> None:
     ctx.state.set("restart_pending", True)
     ctx.state.save()
-    _run_restart(ctx.opts.restart_command, "containerd", ctx.opts.timeout)
+    run_restart(ctx.opts.restart_command, "containerd", ctx.opts.timeout)
     ctx.report.restarted = True
     ctx.report.add("containerd restart", "changed", f"`{ctx.opts.restart_command}`")
     if ctx.opts.verify == "none":
@@ -401,7 +404,7 @@ def socket_path(host: HostRoot, explicit: str | None, main_parsed: dict[str, Any
     return explicit or host.path(settings.default_containerd_socket(main_parsed))
 
 
-def _verify(ctx: _Context, main_parsed: dict[str, Any], *, restarted: bool) -> None:
+def _verify(ctx: Context, main_parsed: dict[str, Any], *, restarted: bool) -> None:
     from .cri import CriClient, CriError
 
     opts = ctx.opts
@@ -411,7 +414,7 @@ def _verify(ctx: _Context, main_parsed: dict[str, Any], *, restarted: bool) -> N
             status = client.wait_registered(opts.timeout if restarted else 5)
             if not status.registered and not restarted:
                 # The config on disk has the handler but containerd runs an older one.
-                _restart(ctx)
+                restart_containerd(ctx)
                 status = client.wait_registered(opts.timeout)
             if not status.registered:
                 raise NodeError(
@@ -428,112 +431,6 @@ def _verify(ctx: _Context, main_parsed: dict[str, Any], *, restarted: bool) -> N
                 ctx.report.add("probe pod", "ok", client.probe_pod(image))
     except CriError as err:
         raise NodeError(f"CRI check at {sock}: {err}") from None
-
-
-# -- uninstall -------------------------------------------------------------------------
-
-
-def uninstall(opts: Options) -> Report:
-    ctx = _context(opts, "uninstall")
-    try:
-        _uninstall(ctx)
-    except (NodeError, cc.ConfigError) as err:
-        ctx.report.fail(str(err))
-    return ctx.report
-
-
-def _uninstall(ctx: _Context) -> None:
-    opts, host, state, report = ctx.opts, ctx.host, ctx.state, ctx.report
-    if not state.exists:
-        report.add("state", "unchanged", f"nothing installed ({host.display(STATE_DIR)} is absent)")
-        return
-    main_parsed = cc.parse(
-        cc.ConfigFile(opts.containerd_config, _read(host, opts.containerd_config))
-    )
-    if opts.verify != "none" and not opts.force:
-        _refuse_if_pods(ctx, main_parsed)
-    registration = state.get("registration") or {}
-    changed = _undo_registration(ctx, registration) if registration else False
-    state.set("registration", None)
-    state.save()
-    if changed or state.get("restart_pending"):
-        _restart(ctx)
-        if opts.verify != "none":
-            _wait_cri(ctx, main_parsed)
-    kubelet_restored = False
-    for path in list(state.files):
-        if ctx.managed.unchanged_since_install(path):
-            outcome = ctx.managed.restore(path)
-            report.add(path, "changed", outcome)
-            kubelet_restored |= path == opts.kubelet_config
-        else:
-            backup = state.files[path]["prior"].get("backup")
-            ctx.managed.forget(path, keep_backup=True)
-            report.add(path, "warning", f"changed since install: left as it is (backup: {backup})")
-    if kubelet_restored:
-        _run_restart(opts.kubelet_restart_command, "kubelet", opts.timeout)
-    env = state.get("env")
-    if env and not env.get("existed"):
-        dst = host.path(env["path"], follow_last=False)
-        if os.path.lexists(dst):
-            shutil.rmtree(dst)
-            report.add("environment", "changed", f"{env['path']} removed")
-    left = ctx.managed.remove_created_dirs()
-    _remove_state(ctx, keep=bool(left))
-
-
-def _refuse_if_pods(ctx: _Context, main_parsed: dict[str, Any]) -> None:
-    from .cri import CriClient, CriError
-
-    sock = socket_path(ctx.host, ctx.opts.containerd_socket, main_parsed)
-    if not os.path.exists(sock):
-        return  # containerd is not running: no pod can be using the runtime
-    try:
-        with CriClient(sock) as client:
-            pods = client.cedana_pods()
-    except (CriError, Exception) as err:  # grpc errors: containerd down or not CRI
-        ctx.report.add("pods", "warning", f"could not list pods at {sock}: {err}")
-        return
-    if pods:
-        raise NodeError(
-            f"{len(pods)} pod(s) still run with the cedana runtime ({', '.join(pods[:5])}): "
-            "drain the node (or delete them) first, or pass --force"
-        )
-
-
-def _wait_cri(ctx: _Context, main_parsed: dict[str, Any]) -> None:
-    from .cri import CriClient, CriError
-
-    sock = socket_path(ctx.host, ctx.opts.containerd_socket, main_parsed)
-    deadline = time.monotonic() + ctx.opts.timeout
-    try:
-        with CriClient(sock) as client:
-            while not (status := client.status()).answering:
-                if time.monotonic() > deadline:
-                    raise NodeError(f"containerd at {sock} did not come back: {status.detail}")
-                time.sleep(0.2)
-    except CriError as err:
-        raise NodeError(f"CRI check at {sock}: {err}") from None
-    ctx.report.add("containerd", "ok", "answers again after the restart")
-
-
-def _remove_state(ctx: _Context, *, keep: bool) -> None:
-    state = ctx.state
-    if keep or state.files:
-        state.save()
-        return
-    backups = state.backup_dir()
-    if os.path.isdir(backups) and not os.listdir(backups):
-        os.rmdir(backups)
-    if os.path.isdir(backups):
-        state.save()  # backups of files changed since install are kept, and said where
-        return
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(state.file)
-    for d in dict.fromkeys([STATE_DIR, *state.get("state_dirs", [])]):
-        with contextlib.suppress(OSError):
-            os.rmdir(ctx.host.path(d, follow_last=False))
-    ctx.report.add("state", "changed", f"{STATE_DIR} removed")
 
 
 def settings_from(pairs: Sequence[str]) -> tuple[tuple[str, str], ...]:

@@ -192,6 +192,17 @@ def _copy_package_source(package: str, site: str) -> None:
         shutil.copytree(src, dst, symlinks=True, copy_function=shutil.copy2)
 
 
+def _loaded_libpython() -> str | None:
+    """The libpython this process runs on (a shared build), as the loader found it:
+    sysconfig's LIBDIR is where the build put it, which need not exist here."""
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split(maxsplit=5)[-1].strip()
+            if "/libpython" in path and os.path.exists(path):
+                return path
+    return None
+
+
 def _copy_stdlib(stdlib: str, dest: str) -> None:
     def ignore(directory: str, names: list[str]) -> set[str]:
         if os.path.abspath(directory) == os.path.abspath(stdlib):
@@ -215,12 +226,10 @@ def build(output: str) -> Manifest:
         os.makedirs(bindir)
         shutil.copy2(interpreter, os.path.join(bindir, f"python{pyver}"))
         os.symlink(f"python{pyver}", os.path.join(bindir, "python3"))
-        if sysconfig.get_config_var("Py_ENABLE_SHARED"):
-            soname = str(sysconfig.get_config_var("INSTSONAME") or "")
-            libsrc = os.path.join(str(sysconfig.get_config_var("LIBDIR") or ""), soname)
-            if soname and os.path.exists(libsrc):
-                os.makedirs(libdir, exist_ok=True)
-                shutil.copy2(libsrc, os.path.join(libdir, soname))
+        libpython = _loaded_libpython()
+        if libpython is not None:
+            os.makedirs(libdir, exist_ok=True)
+            shutil.copy2(libpython, os.path.join(libdir, os.path.basename(libpython)))
         _copy_stdlib(stdlib, os.path.join(libdir, f"python{pyver}"))
         os.makedirs(site, exist_ok=True)
         for dist in _closure(ROOT_DISTRIBUTION):

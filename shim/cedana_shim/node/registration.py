@@ -14,6 +14,7 @@ from typing import Any, Final
 HANDLER: Final = "cedana"
 RUNTIME_TYPE: Final = "io.containerd.cedana.v2"
 SHIM_BINARY: Final = "containerd-shim-cedana-v2"
+DEFAULT_RUNC_TYPE: Final = "io.containerd.runc.v2"
 ANNOTATIONS: Final = ("cedana.ai/*",)
 DEFAULT_SHIM_CONFIG: Final = "/etc/cedana/shim.toml"
 
@@ -56,25 +57,39 @@ def _toml_value(value: Any) -> str:
     return str(value)
 
 
-def render_tables(version: int, shim_config: str = DEFAULT_SHIM_CONFIG) -> str:
+def render_tables(
+    version: int, shim_config: str = DEFAULT_SHIM_CONFIG, *, default_runc: bool = False
+) -> str:
     """The ``[...runtimes.cedana]`` and ``[...runtimes.cedana.options]`` tables as
-    TOML text (no ``version`` line), for a drop-in or for appending to a config."""
-    header = ".".join(_toml_key(k) for k in (*runtimes_path(version), HANDLER))
+    TOML text (no ``version`` line), for a drop-in or for appending to a config.
+
+    ``default_runc`` also writes containerd's default ``runc`` runtime: containerd 1.x
+    replaces its default ``runtimes`` map with the one a config defines, so a config
+    that names no runtime and gains ``cedana`` would otherwise lose ``runc``, the
+    default runtime, and the CRI plugin would refuse to load.
+    """
+    prefix = ".".join(_toml_key(k) for k in runtimes_path(version))
+    header = f"{prefix}.{HANDLER}"
     table = runtime_table(version, shim_config)
     options = table.pop("options")
     lines = [f"[{header}]"]
     lines += [f"  {k} = {_toml_value(v)}" for k, v in table.items()]
     lines += ["", f"  [{header}.options]"]
     lines += [f"    {k} = {_toml_value(v)}" for k, v in options.items()]
+    if default_runc:
+        lines += ["", "# containerd's default runtime, which a runtimes table must name in 1.x"]
+        lines += [f"[{prefix}.runc]", f"  runtime_type = {_toml_value(DEFAULT_RUNC_TYPE)}"]
     return "\n".join(lines) + "\n"
 
 
-def render_dropin(version: int, shim_config: str = DEFAULT_SHIM_CONFIG) -> str:
+def render_dropin(
+    version: int, shim_config: str = DEFAULT_SHIM_CONFIG, *, default_runc: bool = False
+) -> str:
     """A complete drop-in file for a directory named by the main config's ``imports``."""
     return (
         "# Written by `cedana node install`; `cedana node uninstall` removes it.\n"
         f"# Registers the {HANDLER!r} CRI runtime handler (cedana-shim).\n"
-        f"version = {version}\n\n" + render_tables(version, shim_config)
+        f"version = {version}\n\n" + render_tables(version, shim_config, default_runc=default_runc)
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from ..api.cedana.v1 import cedana_pb2 as cedana_ev
+from ..checkpoint.gpu_steps import GpuSteps
 from ..checkpoint.pipeline import Pipeline, Target
 from ..checkpoint.policy import Mode, Policy
 from ..checkpoint.restore import Attempts, Planner, RestorePlan
@@ -58,7 +59,9 @@ class CheckpointManager:
                 tuple(d for d in config.hooks_dirs.split(":") if d),
                 spawn=reaper_spawn(self.reaper),
             )
-            pipeline = self._pipelines[config.store_path] = Pipeline(store, config, hooks)
+            gpu = GpuSteps(config, self.reaper)
+            pipeline = Pipeline(store, config, hooks, gpu)
+            self._pipelines[config.store_path] = pipeline
         return Checkpointing(container_id, policy, pipeline, self)
 
     def publish(self, event: Message) -> None:
@@ -115,7 +118,7 @@ class Checkpointing:
     async def next_plan(
         self, *, bundle: str, rootfs: str, spec: Any, network: Any, reset: Callable[[], None]
     ) -> RestorePlan | None:
-        planner = Planner(self.store)
+        planner = Planner(self.store, self.pipeline.gpu, self.container_id)
         self.plan, self.remaining = await asyncio.to_thread(
             planner.prepare,
             self.remaining,

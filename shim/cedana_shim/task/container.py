@@ -351,6 +351,7 @@ class Container:
             self.cr.report_restore(restored=True)
             return
         self.cr.report_restore(restored=False)
+        self._fresh_io()
         await self._runc_create()
         await self.runc.start(self.id)
 
@@ -364,8 +365,7 @@ class Container:
             timeout: float | None = self.cr.config.restore_timeout
         else:
             timeout = None
-        # Every attempt gets fresh pipes: a failed one closed its own.
-        self.io = ProcessIO(self.id, self.config.stdio, *self._io_owner())
+        self._fresh_io()
         async with asyncio.timeout(timeout):
             await self._run_with_stdio(
                 self.io,
@@ -390,9 +390,23 @@ class Container:
             )
         self.init.pid = read_pid_file(self._pid_file())
         self._load_cgroup()
+        plan = self.cr.plan if self.cr is not None else None
+        if self.cr is not None and plan is not None and plan.gpu:
+            try:
+                await self.cr.pipeline.gpu.after_restore(
+                    self.id, self.runc, plan.gpu, plan.gpu_device_map
+                )
+            except BaseException:
+                # Processes without their GPU state cannot run: this attempt failed.
+                with contextlib.suppress(ShimError):
+                    await self.runc.kill(self.id, signal.SIGKILL, all=True)
+                raise
 
-    def _io_owner(self) -> tuple[int, int]:
-        return self.config.options.io_uid, self.config.options.io_gid
+    def _fresh_io(self) -> None:
+        """New pipes for another attempt at starting the init: a failed one closed its own."""
+        self.io.close()
+        opts = self.config.options
+        self.io = ProcessIO(self.id, self.config.stdio, opts.io_uid, opts.io_gid)
 
     def target(self) -> Target:
         """This container as the checkpoint pipeline sees it."""
