@@ -71,6 +71,10 @@ def _handler(name: str) -> Handler:
             from .admin_checkpoint import cmd_checkpoint
 
             return cmd_checkpoint(args)
+        if name == "doctor":
+            from .admin_doctor import run_doctor
+
+            return run_doctor(args)
         from . import admin_store
 
         fn: Handler = getattr(admin_store, f"cmd_{name}")
@@ -151,6 +155,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ck.add_argument("--json", action="store_true", help="print the result as a JSON object")
     ck.set_defaults(handler=_handler("checkpoint"))
+
+    doc = commands.add_parser(
+        "doctor",
+        parents=[common],
+        formatter_class=_Formatter,
+        help="check that this node can checkpoint and restore (CRIU, runc, store, GPUs)",
+        description=(
+            "Check what the shim relies on: CRIU >= 4.1 that passes `criu check`, runc,\n"
+            "the checkpoint store's owner and mode, and on GPU nodes the NVIDIA driver,\n"
+            "the CUDA checkpoint API or cuda-checkpoint, and the devices. Exits 1 when\n"
+            "something required is missing, saying what to do."
+        ),
+    )
+    doc.add_argument("--json", action="store_true", help="print the report as JSON")
+    doc.set_defaults(handler=_handler("doctor"))
 
     cps = commands.add_parser(
         "checkpoints",

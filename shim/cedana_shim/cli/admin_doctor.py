@@ -1,0 +1,123 @@
+"""``cedana doctor``: is this node ready to checkpoint and restore containers?
+
+Checks what the shim relies on — CRIU >= 4.1 that works on this kernel, runc,
+the checkpoint store's location and permissions, and for GPU nodes the NVIDIA
+driver, the CUDA checkpoint API or ``cuda-checkpoint``, and the devices — and
+says for each missing piece what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from typing import Any
+
+CRIU_MIN = (4, 1)
+TIMEOUT = 20.0
+
+
+def _run(argv: list[str]) -> tuple[int, str]:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return 127, str(err)
+    return done.returncode, (done.stdout + done.stderr).strip()
+
+
+def check_criu() -> dict[str, Any]:
+    path = shutil.which("criu", path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    if path is None:
+        return {
+            "ok": False,
+            "problem": "criu is not installed: install CRIU >= 4.1 (make setup "
+            "builds it from Debian trixie's source into /usr/local/sbin/criu)",
+        }
+    code, out = _run([path, "--version"])
+    match = re.search(r"Version:\s*(\d+)\.(\d+)", out)
+    version = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+    report: dict[str, Any] = {"path": path, "version": ".".join(map(str, version))}
+    if version < CRIU_MIN:
+        report.update(
+            ok=False,
+            problem=f"{path} is CRIU {report['version']}; this shim needs "
+            ">= 4.1 (3.x fails on current kernels: 'Unexpected rt vDSO area bounds')",
+        )
+        return report
+    code, out = _run([path, "check"])
+    report["check"] = out.splitlines()[-1] if out else ""
+    report["ok"] = code == 0
+    if code != 0:
+        report["problem"] = f"`criu check` failed: {report['check']}"
+    return report
+
+
+def check_runc() -> dict[str, Any]:
+    path = shutil.which("runc")
+    if path is None:
+        return {"ok": False, "problem": "runc is not on PATH: install runc (apt-get install runc)"}
+    _, out = _run([path, "--version"])
+    return {"ok": True, "path": path, "version": out.splitlines()[0] if out else ""}
+
+
+def check_store(path: str) -> dict[str, Any]:
+    report: dict[str, Any] = {"path": path}
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        report.update(ok=True, note="not created yet: the shim creates it (0700) on first use")
+        return report
+    except PermissionError:
+        return {**report, "ok": False, "problem": "cannot read it: run cedana doctor as root"}
+    mode = stat.S_IMODE(st.st_mode)
+    report["mode"] = f"{mode:04o}"
+    if mode & 0o077 or st.st_uid != 0:
+        report.update(
+            ok=False,
+            problem=f"{path} must be owned by root with mode 0700 "
+            "(checkpoints hold process memory): chown root {path}; chmod 0700 {path}",
+        )
+    else:
+        report["ok"] = True
+    usage = shutil.disk_usage(path)
+    report["free_bytes"] = usage.free
+    return report
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    from ..config import load_node_config
+    from ..gpu.doctor import readiness
+
+    config = load_node_config(getattr(args, "config", None))
+    store = getattr(args, "store", None) or config.store_path
+    report: dict[str, Any] = {
+        "criu": check_criu(),
+        "runc": check_runc(),
+        "store": check_store(store),
+        "gpu": readiness(cli_path=config.cuda_checkpoint_path or None),
+    }
+    ready = all(report[k]["ok"] for k in ("criu", "runc", "store"))
+    report["ready"] = ready
+    if getattr(args, "json", False):
+        json.dump(report, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        for name in ("criu", "runc", "store"):
+            item = report[name]
+            mark = "ok  " if item["ok"] else "FAIL"
+            detail = item.get("problem") or item.get("version") or item.get("note") or ""
+            sys.stdout.write(f"{mark}  {name:<6} {item.get('path', '')}  {detail}\n")
+        gpu = report["gpu"]
+        devices = gpu.get("devices") or []
+        if devices:
+            sys.stdout.write(f"gpu   driver {gpu.get('driverVersion')}, {len(devices)} device(s)\n")
+        for key, value in gpu.items():
+            if isinstance(value, dict) and value.get("available") is False:
+                sys.stdout.write(f"gpu   {key}: {value.get('reason', 'not available')}\n")
+        sys.stdout.write("ready\n" if ready else "not ready\n")
+    return 0 if ready else 1
