@@ -27,6 +27,8 @@ class NodeConfig:
     compression_level: int = 3  # zstd; 1 is fastest, 19 smallest
     compression_threads: int = 0  # 0: one per core
     retain: int = 3  # checkpoints kept per (namespace, label)
+    # Periodic checkpoints for opted-in containers that set no interval ("15m"); "" = none.
+    checkpoint_interval: str = ""
     checkpoint_timeout: float = 600.0  # seconds a checkpoint (GPU + CRIU + commit) may take
     restore_timeout: float = 600.0
     tcp_established: bool = True  # dump established TCP connections (restored when the IP is kept)

@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--json", action="store_true", help="print the result as a JSON object")
     ck.set_defaults(handler=_handler("checkpoint"))
 
+    from cedana_shim.node import cli as node_cli
+
+    node_cli.register(commands)
+
     doc = commands.add_parser(
         "doctor",
         parents=[common],

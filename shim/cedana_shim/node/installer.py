@@ -279,6 +279,8 @@ def _install_env(ctx: Context) -> None:
             manifest = given
             if current is None or current.digest != manifest.digest:
                 copy_tree(opts.payload, staging)
+        elif current is not None and current.source and current.source == payload_mod.source_id():
+            manifest = current  # built from this very environment: nothing to rebuild
         else:
             opts.log("building the payload from this Python")
             manifest = payload_mod.build(staging)

@@ -97,15 +97,20 @@ def run_loop(
     """The helper's life; returns when ``stop`` is set (or after ``max_rounds``)."""
     local = taint.Local(installed=False, handler_ok=False)
     _reconcile(controller, local)
-    installed_at: float | None = None
+    next_install = time.monotonic()
+    failures = 0
     rounds = 0
     while not stop.event.is_set():
         now = time.monotonic()
-        if installed_at is None or now - installed_at >= reinstall_interval:
+        if now >= next_install:
             ok = install()
-            installed_at = now if ok else None
+            failures = 0 if ok else failures + 1
+            # A failing install (no CRIU, a broken config) is retried, more slowly
+            # each time, up to every 5 minutes: it will not fix itself every 10 s.
+            delay = reinstall_interval if ok else min(300.0, interval * 2 ** min(failures, 5))
+            next_install = now + delay
             local = taint.Local(installed=ok, handler_ok=ok)
-        else:
+        elif local.installed:
             local = taint.Local(installed=True, handler_ok=handler_ok())
         _reconcile(controller, local)
         rounds += 1

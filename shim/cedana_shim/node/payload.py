@@ -66,6 +66,7 @@ class Manifest:
     digest: str  # over every path, mode, link target and file content
     portable: bool  # False: the interpreter needs something outside the payload
     notes: tuple[str, ...] = ()
+    source: str = ""  # source_id() of the environment it was built from
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -74,6 +75,7 @@ class Manifest:
             "digest": self.digest,
             "portable": self.portable,
             "notes": list(self.notes),
+            "source": self.source,
         }
 
     @classmethod
@@ -87,6 +89,7 @@ class Manifest:
                 digest=str(raw["digest"]),
                 portable=bool(raw.get("portable", True)),
                 notes=tuple(raw.get("notes", ())),
+                source=str(raw.get("source", "")),
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -125,6 +128,25 @@ def tree_digest(root: str) -> str:
                     for chunk in iter(lambda: f.read(1 << 20), b""):
                         h.update(chunk)
             h.update(b"\0")
+    return h.hexdigest()
+
+
+def source_id() -> str:
+    """Names the environment a payload would be built from (interpreter, every bundled
+    distribution's version, cedana_shim's files), so that a node whose payload came
+    from this very environment is recognised without building and hashing a new one:
+    the helper re-runs install every few minutes."""
+    h = hashlib.sha256(os.path.realpath(sys.executable).encode())
+    h.update(sys.version.encode())
+    for dist in sorted(_closure(ROOT_DISTRIBUTION), key=lambda d: d.metadata["Name"] or ""):
+        h.update(f"{dist.metadata['Name']}=={dist.version}\0".encode())
+    spec = importlib.util.find_spec("cedana_shim")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for name in sorted(filenames):
+                st = os.stat(os.path.join(dirpath, name))
+                h.update(f"{dirpath}/{name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     return h.hexdigest()
 
 
@@ -254,6 +276,7 @@ def build(output: str) -> Manifest:
             digest=tree_digest(output),
             portable=not notes,
             notes=tuple(notes),
+            source=source_id(),
         )
         with open(os.path.join(output, MANIFEST), "w") as f:
             json.dump(manifest.to_json(), f, indent=2)

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import tempfile
+import textwrap
 from collections.abc import Sequence
 from dataclasses import fields
 
@@ -19,9 +20,7 @@ from cedana_shim.errors import InvalidArgument
 
 HEADER = (
     "# cedana-shim node config, written by `cedana node install`.\n"
-    "# Keys: store_path, compression_level, compression_threads, retain,\n"
-    "# checkpoint_timeout, restore_timeout, tcp_established, file_locks,\n"
-    "# criu_config_extra; each can be overridden by CEDANA_<KEY> in containerd's env.\n"
+    "# Every key can be overridden by CEDANA_<KEY> in containerd's environment.\n"
 )
 _DURATION_RE = re.compile(r"^(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+$")
 
@@ -39,7 +38,8 @@ def render_node_config(settings: Sequence[tuple[str, str]]) -> bytes:
     """TOML for ``KEY=VALUE`` settings; values are typed by the node config's fields
     (a key the shim does not know is written as a string and fails validation)."""
     kinds = _field_kinds()
-    lines = [HEADER]
+    keys = textwrap.fill("Keys: " + ", ".join(kinds), 78, subsequent_indent="  ")
+    lines = [HEADER + textwrap.indent(keys, "# ", lambda _line: True)]
     for key, value in settings:
         kind = kinds.get(key, str)
         if kind is bool:

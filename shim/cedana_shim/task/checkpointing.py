@@ -14,7 +14,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from google.protobuf.message import Message
@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 from ..api.cedana.v1 import cedana_pb2 as cedana_ev
 from ..checkpoint.gpu_steps import GpuSteps
 from ..checkpoint.pipeline import Pipeline, Target
-from ..checkpoint.policy import Mode, Policy
+from ..checkpoint.policy import Mode, Policy, parse_duration
 from ..checkpoint.restore import Attempts, Planner, RestorePlan
 from ..checkpoint.store import Entry, Store, StoreConfig
 from ..config import NodeConfig, load_node_config
@@ -45,6 +45,9 @@ class CheckpointManager:
 
     def for_container(self, container_id: str, policy: Policy, config_path: str) -> Checkpointing:
         config = load_node_config(config_path or None)
+        if policy.interval is None and config.checkpoint_interval:
+            interval = parse_duration(config.checkpoint_interval, "node config checkpoint_interval")
+            policy = replace(policy, interval=interval)
         pipeline = self._pipelines.get(config.store_path)
         if pipeline is None or pipeline.config != config:
             store = Store(

@@ -1,0 +1,48 @@
+{{/* Names and labels shared by every object of the chart. */}}
+
+{{- define "cedana.fullname" -}}
+{{- if contains "cedana" .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-cedana" .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "cedana.labels" -}}
+app.kubernetes.io/name: cedana
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "cedana.selector" -}}
+app.kubernetes.io/name: cedana
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* The label selector (a string) the helper uses to find a component's pods. */}}
+{{- define "cedana.podSelector" -}}
+app.kubernetes.io/name=cedana,app.kubernetes.io/instance={{ .root.Release.Name }},app.kubernetes.io/component={{ .component }}
+{{- end -}}
+
+{{- define "cedana.image" -}}
+{{- $tag := .Values.image.tag | default .Chart.AppVersion -}}
+{{- if .Values.image.registry -}}
+{{ .Values.image.registry }}/{{ .Values.image.repository }}:{{ $tag }}
+{{- else -}}
+{{ .Values.image.repository }}:{{ $tag }}
+{{- end -}}
+{{- end -}}
+
+{{/* Node config settings, as `--set=KEY=VALUE` arguments of `cedana node`. */}}
+{{- define "cedana.settings" -}}
+{{- $s := dict "store_path" .Values.store.path "compression_level" .Values.compression.level "compression_threads" .Values.compression.threads "retain" .Values.checkpoint.retain "checkpoint_timeout" .Values.checkpoint.timeout "restore_timeout" .Values.checkpoint.restoreTimeout "checkpoint_interval" .Values.checkpoint.defaultInterval -}}
+{{- $s = merge (deepCopy .Values.shimConfig) $s -}}
+{{- range $key := keys $s | sortAlpha }}
+{{- $value := index $s $key }}
+{{- if or (kindIs "float64" $value) (kindIs "int64" $value) (kindIs "int" $value) (kindIs "bool" $value) $value }}
+- --set={{ $key }}={{ $value }}
+{{- end }}
+{{- end }}
+{{- end -}}
