@@ -7,11 +7,8 @@ forks a ready daemon in about a millisecond. It is an optimisation only:
 ``start`` falls back to forking the daemon itself when no server answers, and
 then starts one in the background for the next container.
 
-Protocol (unix stream socket, root only): the client sends, with the listener
-fd attached (SCM_RIGHTS), a 4-byte big-endian length, a JSON header
-``{"argv": [...], "cwd": ..., "env": {...}}``, then the raw ``start`` stdin until
-it shuts down its write side. The server answers ``{"pid": N}`` or
-``{"error": "..."}``.
+The client side and the wire format are in :mod:`.fork_client`, which
+``start`` imports without this module's heavier imports.
 
 The server stays single-threaded (forking a threaded process is unsafe) and
 exits after ``CEDANA_FORKSERVER_IDLE`` seconds (default 3600) without requests.
@@ -26,100 +23,17 @@ import signal
 import socket
 import struct
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-from .args import ShimArgs
+from .args import ShimArgs, UsageError, parse_args
+from .fork_client import answers, decode_request, read_all
 
 TYPE_CHECKING = False  # typing costs ~10 ms of import on the start path
 if TYPE_CHECKING:
     from typing import NoReturn
 
 REQUEST_LIMIT = 16 << 20
-CONNECT_TIMEOUT = 0.5
 IDLE_DEFAULT = 3600.0
-
-
-class ForkServerUnavailable(Exception):
-    pass
-
-
-def request_fork(
-    path: str,
-    listener_fd: int,
-    argv: Sequence[str],
-    cwd: str,
-    env: Mapping[str, str],
-    stdin: bytes,
-) -> int:
-    """Ask the fork server at ``path`` for a daemon; returns its pid."""
-    header = json.dumps({"argv": list(argv), "cwd": cwd, "env": dict(env)}).encode()
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.settimeout(CONNECT_TIMEOUT)
-        try:
-            conn.connect(path)
-        except OSError as err:
-            raise ForkServerUnavailable(str(err)) from err
-        conn.settimeout(5.0)
-        socket.send_fds(conn, [struct.pack(">I", len(header)) + header], [listener_fd])
-        conn.sendall(stdin)
-        conn.shutdown(socket.SHUT_WR)
-        reply = _read_all(conn, 4096)
-    except OSError as err:
-        raise ForkServerUnavailable(str(err)) from err
-    finally:
-        conn.close()
-    try:
-        answer = json.loads(reply)
-    except ValueError as err:
-        raise ForkServerUnavailable(f"bad reply {reply[:100]!r}") from err
-    if "pid" not in answer:
-        raise ForkServerUnavailable(str(answer.get("error", answer)))
-    return int(answer["pid"])
-
-
-def spawn_server(path: str) -> None:
-    """Start a fork server in the background, detached from the caller."""
-    devnull = os.open(os.devnull, os.O_RDWR)
-    try:
-        os.posix_spawn(
-            sys.executable,
-            [sys.executable, "-m", "cedana_shim.cli.forkserver", path],
-            dict(os.environ),
-            file_actions=[
-                (os.POSIX_SPAWN_DUP2, devnull, 0),
-                (os.POSIX_SPAWN_DUP2, devnull, 1),
-                (os.POSIX_SPAWN_DUP2, devnull, 2),
-            ],
-            setsid=True,
-        )
-    finally:
-        os.close(devnull)
-
-
-def _answers(path: str) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(CONNECT_TIMEOUT)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
-def _read_all(conn: socket.socket, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        data = conn.recv(65536)
-        if not data:
-            return b"".join(chunks)
-        size += len(data)
-        if size > limit:
-            raise OSError("request too large")
-        chunks.append(data)
 
 
 def become_daemon(listener_fd: int, cwd: str, env: Mapping[str, str]) -> None:
@@ -190,8 +104,6 @@ def _report_crash(args: ShimArgs) -> None:
 
 
 def _serve_one(server: socket.socket, conn: socket.socket) -> None:
-    from .args import parse_args
-
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _, uid, _ = struct.unpack("3i", creds)
     if uid != os.geteuid():
@@ -199,15 +111,12 @@ def _serve_one(server: socket.socket, conn: socket.socket) -> None:
     conn.settimeout(5.0)
     first, fds, _, _ = socket.recv_fds(conn, 65536, 4)
     try:
-        (length,) = struct.unpack(">I", first[:4])
-        body = first[4:] + _read_all(conn, REQUEST_LIMIT)
-        request = json.loads(body[:length])
-        stdin = body[length:]
         if len(fds) != 1:
             raise ValueError(f"expected one listener fd, got {len(fds)}")
-        args = parse_args(request["argv"])
-    except (ValueError, KeyError, struct.error) as err:
-        conn.sendall(json.dumps({"error": f"bad request: {err}"}).encode())
+        argv, cwd, env, stdin = decode_request(first + read_all(conn, REQUEST_LIMIT))
+        args = parse_args(argv)
+    except (ValueError, struct.error, UsageError) as err:
+        conn.sendall(f"error bad request: {err}".encode())
         for fd in fds:
             os.close(fd)
         return
@@ -215,9 +124,9 @@ def _serve_one(server: socket.socket, conn: socket.socket) -> None:
     if pid == 0:
         server.close()
         conn.close()
-        run_forked_daemon(fds[0], request["cwd"], request["env"], args, stdin)
+        run_forked_daemon(fds[0], cwd, env, args, stdin)
     os.close(fds[0])
-    conn.sendall(json.dumps({"pid": pid}).encode())
+    conn.sendall(f"pid {pid}".encode())
 
 
 def serve(path: str) -> int:
@@ -233,7 +142,7 @@ def serve(path: str) -> int:
     try:
         server.bind(path)
     except OSError:
-        if _answers(path):
+        if answers(path):
             return 0  # another server owns it
         os.unlink(path)  # left by a server that was killed
         server.bind(path)

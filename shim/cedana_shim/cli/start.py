@@ -4,20 +4,19 @@ Runs once per container with the bundle as cwd and must print only the
 daemon's address on stdout. Containers of one pod (same
 ``io.kubernetes.cri.sandbox-id``) share one daemon: when its socket already
 answers, the address is reused and no process is started. This path is hot, so
-it imports nothing heavy: the daemon is forked by the warm fork server, or by
-this process itself when none answers.
+it imports nothing heavy (no ``json``, ``socket`` or ``re``): the daemon is
+forked by the warm fork server, or by this process itself when none answers.
 """
 
 from __future__ import annotations
 
+import _socket
 import errno
-import json
 import os
-import socket
 import sys
 
-from . import forkserver
 from .args import ShimArgs, parse_args
+from .fork_client import ForkServerUnavailable, answers, request_fork, spawn_server, unix_socket
 from .paths import (
     SOCKET_PATH_LIMIT,
     code_fingerprint,
@@ -34,13 +33,58 @@ class StartError(Exception):
     pass
 
 
+class _Ambiguous:
+    """The quick scan cannot tell: let the JSON parser decide."""
+
+
+AMBIGUOUS = _Ambiguous()
+
+
+def _plain_string_value(raw: bytes, key: str) -> str | _Ambiguous | None:
+    """The value of ``"key": "..."`` in a JSON document, found without parsing it.
+
+    Only a key that occurs once, with a string value free of escapes, is read this
+    way; anything else is AMBIGUOUS and left to the JSON parser.
+    """
+    needle = b'"' + key.encode() + b'"'
+    at = raw.find(needle)
+    if at < 0:
+        return None
+    if raw.find(needle, at + 1) >= 0:
+        return AMBIGUOUS
+    rest = raw[at + len(needle) :].lstrip(b" \t\r\n")
+    if not rest.startswith(b":"):
+        return AMBIGUOUS
+    rest = rest[1:].lstrip(b" \t\r\n")
+    end = rest.find(b'"', 1)
+    if not rest.startswith(b'"') or end < 0 or b"\\" in rest[:end]:
+        return AMBIGUOUS
+    return rest[1:end].decode("utf-8", "replace")
+
+
 def grouping_key(bundle: str, container_id: str) -> str:
     try:
         with open(os.path.join(bundle, "config.json"), "rb") as f:
-            spec = json.load(f)
-    except (OSError, ValueError) as err:
+            raw = f.read()
+    except OSError as err:
         raise StartError(f"read OCI spec of container {container_id}: {err}") from err
-    annotations = spec.get("annotations") or {}
+    for key in GROUP_ANNOTATIONS:
+        value = _plain_string_value(raw, key)
+        if isinstance(value, _Ambiguous):
+            return _grouping_key_parsed(raw, container_id)
+        if value:
+            return value
+    return container_id
+
+
+def _grouping_key_parsed(raw: bytes, container_id: str) -> str:
+    import json
+
+    try:
+        spec = json.loads(raw)
+    except ValueError as err:
+        raise StartError(f"OCI spec of container {container_id} is not JSON: {err}") from err
+    annotations = spec.get("annotations") or {} if isinstance(spec, dict) else {}
     for key in GROUP_ANNOTATIONS:
         value = annotations.get(key)
         if isinstance(value, str) and value:
@@ -48,37 +92,25 @@ def grouping_key(bundle: str, container_id: str) -> str:
     return container_id
 
 
-def _answers(path: str) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(PROBE_TIMEOUT)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
-def listen(path: str) -> socket.socket | None:
+def listen(path: str) -> _socket.socket | None:
     """Bind the pod's socket; None when a live daemon already serves it."""
     if len(path) > SOCKET_PATH_LIMIT:
         raise StartError(f"socket path {path!r} longer than {SOCKET_PATH_LIMIT} bytes")
     ensure_private_dir(os.path.dirname(path))
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = unix_socket()
     try:
         try:
             sock.bind(path)
         except OSError as err:
             if err.errno != errno.EADDRINUSE:
                 raise
-            if _answers(path):
+            if answers(path, PROBE_TIMEOUT):
                 sock.close()
                 return None
             os.unlink(path)  # stale: its daemon is gone
             sock.bind(path)
         os.chmod(path, 0o600)
-        sock.listen(socket.SOMAXCONN)
+        sock.listen(_socket.SOMAXCONN)
     except BaseException:
         sock.close()
         raise
@@ -101,27 +133,27 @@ def daemon_argv(args: ShimArgs) -> list[str]:
     return argv
 
 
-def fork_daemon(listener: socket.socket, args: ShimArgs, argv: list[str], stdin: bytes) -> int:
+def fork_daemon(listener: _socket.socket, argv: list[str], stdin: bytes) -> int:
     """The cold path: fork the daemon from this process."""
     pid = os.fork()
     if pid:
         return pid
+    from .forkserver import run_forked_daemon
+
     fd = os.dup(listener.fileno())
     listener.close()
-    forkserver.run_forked_daemon(fd, os.getcwd(), dict(os.environ), parse_args(argv), stdin)
+    run_forked_daemon(fd, os.getcwd(), dict(os.environ), parse_args(argv), stdin)
 
 
-def spawn_daemon(listener: socket.socket, args: ShimArgs, stdin: bytes) -> int:
+def spawn_daemon(listener: _socket.socket, args: ShimArgs, stdin: bytes) -> int:
     argv = daemon_argv(args)
-    server = forkserver_socket_path(code_fingerprint())
     if os.environ.get("CEDANA_FORKSERVER", "1") != "0":
+        server = forkserver_socket_path(code_fingerprint())
         try:
-            return forkserver.request_fork(
-                server, listener.fileno(), argv, os.getcwd(), os.environ, stdin
-            )
-        except forkserver.ForkServerUnavailable:
-            forkserver.spawn_server(server)
-    return fork_daemon(listener, args, argv, stdin)
+            return request_fork(server, listener.fileno(), argv, os.getcwd(), os.environ, stdin)
+        except ForkServerUnavailable:
+            spawn_server(server)
+    return fork_daemon(listener, argv, stdin)
 
 
 def adjust_oom_score(pid: int) -> None:

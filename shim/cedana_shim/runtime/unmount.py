@@ -10,8 +10,6 @@ import errno
 import os
 import time
 
-from cedana_shim import errors
-
 MNT_DETACH = 0x2
 UMOUNT_NOFOLLOW = 0x8
 _BUSY_RETRIES = 10
@@ -25,6 +23,8 @@ def unmount_all(path: str) -> None:
 
     Raises :class:`errors.Internal` when a mount cannot be removed.
     """
+    from cedana_shim import errors  # only now: enum's import is not free on delete's path
+
     root = os.path.realpath(path)
     if root == "/":
         raise errors.InvalidArgument("refusing to unmount everything under /")

@@ -26,6 +26,7 @@ from ..api.containerd.events import task_pb2 as ev
 from ..api.containerd.runc import options_pb2 as runc_pb
 from ..api.containerd.task.v2 import shim_pb2 as pb
 from ..api.containerd.types import task_pb2 as types
+from ..bundle_state import mark_deleted
 from ..checkpoint.policy import policy_for
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, ShimError
 from ..runtime.mount import Mount
@@ -212,6 +213,12 @@ class TaskService:
             info = await container.delete()
             pid = container.init.pid
             del self.containers[req.id]
+            try:
+                mark_deleted(container.bundle, pid, info.status, info.timestamp)
+            except OSError as err:  # the delete command then simply does the full cleanup
+                log.warning(
+                    "cannot mark bundle deleted", extra={"container": req.id, "error": str(err)}
+                )
             if self.oom is not None:
                 self.oom.remove(req.id)
             event = ev.TaskDelete(container_id=req.id, pid=pid, exit_status=info.status)

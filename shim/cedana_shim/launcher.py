@@ -1,0 +1,66 @@
+"""The launcher containerd execs as ``containerd-shim-cedana-v2``.
+
+``start`` and ``delete`` run once per container on containerd's critical path,
+and a Python process's start-up is most of their cost. pip's console-script
+wrapper imports ``re`` and lets ``site`` scan every ``.pth`` file; a shell
+launcher forks ``readlink`` and ``dirname``. This launcher starts the
+interpreter with ``-sS`` (no site, no user site) and a fixed ``sys.path``.
+
+    python -m cedana_shim.launcher DEST [--python PY] [--path DIR]...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import sysconfig
+
+TEMPLATE = """#!{python} -sS
+# Written by `python -m cedana_shim.launcher`: containerd runs this as the shim.
+import sys
+sys.path[:0] = {paths!r}
+from cedana_shim.cli.shim_main import main
+sys.exit(main())
+"""
+
+
+def default_paths() -> list[str]:
+    """Where this interpreter finds cedana_shim and its dependencies."""
+    import cedana_shim
+
+    paths = [os.path.dirname(os.path.dirname(os.path.abspath(cedana_shim.__file__)))]
+    for key in ("purelib", "platlib"):
+        path = sysconfig.get_paths()[key]
+        if path not in paths:
+            paths.append(path)
+    return paths
+
+
+def launcher_text(python: str, paths: list[str]) -> str:
+    if " " in python or not os.path.isabs(python):
+        raise ValueError(f"the launcher's interpreter must be an absolute path: {python!r}")
+    return TEMPLATE.format(python=python, paths=paths)
+
+
+def write_launcher(dest: str, python: str | None = None, paths: list[str] | None = None) -> None:
+    text = launcher_text(python or sys.executable, paths or default_paths())
+    tmp = f"{dest}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, dest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cedana_shim.launcher", description=__doc__)
+    parser.add_argument("dest", help="where to write the launcher")
+    parser.add_argument("--python", help="interpreter (default: this one)")
+    parser.add_argument("--path", action="append", help="sys.path entry (default: this one's)")
+    args = parser.parse_args(argv)
+    write_launcher(args.dest, args.python, args.path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
