@@ -27,6 +27,9 @@ class NodeConfig:
     compression_level: int = 3  # zstd; 1 is fastest, 19 smallest
     compression_threads: int = 0  # 0: one per core
     retain: int = 3  # checkpoints kept per (namespace, label)
+    # Also keep the newest checkpoint's raw CRIU images per label: restores skip the
+    # decompression (digests are still checked, in parallel with the restore).
+    cache_raw: bool = True
     # Periodic checkpoints for opted-in containers that set no interval ("15m"); "" = none.
     checkpoint_interval: str = ""
     checkpoint_timeout: float = 600.0  # seconds a checkpoint (GPU + CRIU + commit) may take

@@ -100,6 +100,7 @@ class Ingest:
         self._release_lock = weakref.finalize(self, os.close, lock_fd)
         self._metadata: dict[str, Any] = dict(metadata)
         self._layers: list[PendingLayer] = []
+        self.raw_layers: set[str] = set()  # dir layers whose raw files the store caches
         self._state: Literal["open", "committing", "closed"] = "open"
 
     def __repr__(self) -> str:
@@ -154,6 +155,10 @@ class Ingest:
                 f"checkpoint {self.id}: layer {name!r}: {directory} is not a directory"
             )
         self._layers.append(PendingLayer(name, media_type, directory, "dir"))
+
+    def keep_raw(self, name: str) -> None:
+        """Keep dir layer ``name``'s raw files in the store's cache after the commit."""
+        self.raw_layers.add(name)
 
     def add_file_layer(self, name: str, tar_path: str, media_type: str) -> None:
         """Store the existing tar archive ``tar_path`` (compressed) as layer ``name``."""

@@ -200,6 +200,7 @@ class Pipeline:
                 replace(state, status="running" if leave_running else "stopped", outcome="ok"),
             )
             ingest.add_dir_layer(CRIU_LAYER, criu_dir, MEDIA_TYPES[CRIU_LAYER])
+            ingest.keep_raw(CRIU_LAYER)
             ingest.set_metadata(
                 timings={
                     "dump_s": round(dumped - started, 3),

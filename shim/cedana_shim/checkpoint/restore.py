@@ -38,6 +38,7 @@ class RestorePlan:
     work_dir: str
     keep_tcp: bool  # the pod kept its addresses: established connections can live
     gpu_device_map: Mapping[str, str] | None = None  # recorded GPU UUID -> this node's
+    cached: bool = False  # image_dir is the store's raw cache: verify while restoring
 
     @property
     def gpu(self) -> Mapping[str, Any]:
@@ -99,11 +100,20 @@ class Planner:
             work = os.path.join(bundle, "work", RESTORE_DIR, entry.id)
             try:
                 device_map = self._gpu_mapping(entry, spec)
-                self.store.verify(entry)
                 shutil.rmtree(work, ignore_errors=True)
                 os.makedirs(work, mode=0o700)
-                image_dir = os.path.join(work, "images")
-                self.store.extract_layer(entry, CRIU_LAYER, image_dir)
+                cached = self.store.raw_cache.lookup(
+                    entry.id, CRIU_LAYER, entry.layer(CRIU_LAYER).digest
+                )
+                if cached is not None:
+                    # Blobs present with their sizes now; the cached images' digests
+                    # are checked while CRIU restores (the container waits for both).
+                    self.store.verify(entry, deep=False)
+                    image_dir = cached
+                else:
+                    self.store.verify(entry)
+                    image_dir = os.path.join(work, "images")
+                    self.store.extract_layer(entry, CRIU_LAYER, image_dir)
                 names = {layer.name for layer in entry.layers}
                 if ROOTFS_LAYER in names:
                     with self.store.open_layer(entry, ROOTFS_LAYER) as stream:
@@ -122,7 +132,12 @@ class Planner:
                 continue
             keep_tcp = same_addresses(entry.metadata.get("network"), network)
             plan = RestorePlan(
-                entry, image_dir, os.path.join(work, "criu-work"), keep_tcp, device_map
+                entry,
+                image_dir,
+                os.path.join(work, "criu-work"),
+                keep_tcp,
+                device_map,
+                cached=cached is not None,
             )
             return plan, candidates[index + 1 :]
         return None, []
@@ -135,4 +150,5 @@ class Planner:
 
     @staticmethod
     def discard(plan: RestorePlan) -> None:
-        shutil.rmtree(os.path.dirname(plan.image_dir), ignore_errors=True)
+        # The work dir only: a cached image dir belongs to the store.
+        shutil.rmtree(os.path.dirname(plan.work_dir), ignore_errors=True)

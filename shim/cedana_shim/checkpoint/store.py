@@ -80,6 +80,7 @@ from cedana_shim.checkpoint.layout import (
     parse_layout_file,
     parse_manifest,
 )
+from cedana_shim.checkpoint.rawcache import RawCache
 
 __all__ = ["COMMIT_STEPS", "Entry", "Ingest", "LayerInfo", "Store", "StoreConfig"]
 
@@ -114,6 +115,8 @@ class StoreConfig:
     compression_level: int = 3  # zstd level, -7 (fastest) .. 22
     threads: int = 0  # zstd worker threads; 0 = all cores
     retain: int = 3  # checkpoints kept per (scope, label) at commit; 0 = keep all
+    # Keep the raw images of the newest checkpoint per label (see rawcache.py).
+    cache_raw: bool = True
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,7 @@ class Store:
         self._index_path = os.path.join(self.root, "index.json")
         self._lock_path = os.path.join(self.root, "index.lock")
         self._step_hook = step_hook
+        self.raw_cache = RawCache(self.root)
         try:
             self._open_layout()
         except OSError as err:
@@ -420,6 +424,7 @@ class Store:
         doing = ["preparing"]
         try:
             entry = self._commit(ingest, doing)
+            self._cache_raw(ingest, entry)
         except OSError as err:
             raise self._os_error(err, f"{doing[0]} of checkpoint {ingest.id}") from err
         finally:
@@ -457,7 +462,8 @@ class Store:
             written.append((layer, blob, tmp))
             # Staged CRIU images are no longer needed once compressed: freeing
             # them now keeps peak disk use near raw + one compressed layer.
-            if layer.kind == "dir" and layer.source.startswith(dirs_root):
+            keep_raw = self.config.cache_raw and layer.name in ingest.raw_layers
+            if layer.kind == "dir" and layer.source.startswith(dirs_root) and not keep_raw:
                 src = layer.source + os.sep
                 later = [x.source + os.sep for x in ingest._layers[i + 1 :]]
                 if not any(x.startswith(src) or src.startswith(x) for x in later):
@@ -841,7 +847,25 @@ class Store:
         except OSError as err:
             raise self._os_error(err, f"collecting garbage in {self.root}") from err
 
+    def _cache_raw(self, ingest: Ingest, entry: Entry) -> None:
+        """Move the committed layers' raw images into the cache; never fails the commit."""
+        if not self.config.cache_raw:
+            return
+        for layer in ingest._layers:
+            if layer.name not in ingest.raw_layers or layer.kind != "dir":
+                continue
+            try:
+                self.raw_cache.adopt(
+                    entry.id, entry.scope, entry.label, layer.name,
+                    entry.layer(layer.name).digest, layer.source,
+                )  # fmt: skip
+            except OSError as err:
+                log.warning("not caching raw images: %s", err, extra={"checkpoint": entry.id})
+                self.raw_cache.drop(entry.id)
+
     def _sweep_blobs_locked(self, descriptors: Iterable[Descriptor]) -> int:
+        descriptors = list(descriptors)
+        self.raw_cache.retain_only({d.annotations.get(ANN_ID, "") for d in descriptors})
         keep = gc.referenced(
             descriptors,
             lambda d: self._read_small_blob(d, MAX_MANIFEST_BYTES, f"manifest {d.digest}"),

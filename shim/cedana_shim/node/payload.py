@@ -106,7 +106,7 @@ def launcher_script(module: str, pyver: str) -> str:
         "# interpreter, wherever the payload is.\n"
         'here=$(readlink -f "$0") && here=${here%/*}\n'
         f'exec "$here/python{pyver}" -IS -c "import sys; '
-        f"sys.path[:0] = [sys.argv.pop(1)]; from {module} import main; sys.exit(main())\" "
+        f'sys.path[:0] = [sys.argv.pop(1)]; from {module} import main; sys.exit(main())" '
         f'"$here/../lib/python{pyver}/site-packages" "$@"\n'
     )
 

@@ -26,7 +26,7 @@ from ..checkpoint.policy import Mode, Policy, parse_duration
 from ..checkpoint.restore import Attempts, Planner, RestorePlan
 from ..checkpoint.store import Entry, Store, StoreConfig
 from ..config import NodeConfig, load_node_config
-from ..errors import FailedPrecondition, ShimError
+from ..errors import DataLoss, FailedPrecondition, ShimError
 from ..hooks import HookState, ProcessHookRunner, Stage, reaper_spawn
 from ..runtime.reaper import Reaper
 from .events import EventSender
@@ -56,6 +56,7 @@ class CheckpointManager:
                     compression_level=config.compression_level,
                     threads=config.compression_threads,
                     retain=config.retain,
+                    cache_raw=config.cache_raw,
                 )
             )
             hooks = ProcessHookRunner(
@@ -142,10 +143,17 @@ class Checkpointing:
         await self.pipeline.hooks.run(stage, state)
 
     def restore_failed(self, error: BaseException) -> None:
-        if self.plan is not None:
+        if self.plan is None:
+            return
+        if self.plan.cached and isinstance(error, DataLoss):
+            # Only the cached copy was bad (and is gone now): the verified blob of the
+            # same checkpoint is tried next.
+            self.attempts.add(self.plan.entry, f"cached images discarded: {error}")
+            self.remaining.insert(0, self.plan.entry)
+        else:
             self.attempts.add(self.plan.entry, f"restore failed: {error}")
-            Planner.discard(self.plan)
-            self.plan = None
+        Planner.discard(self.plan)
+        self.plan = None
 
     def report_restore(self, restored: bool) -> None:
         if self.policy.mode is not Mode.AUTO:

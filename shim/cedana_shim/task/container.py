@@ -20,9 +20,16 @@ from typing import Any
 
 from ..bundle_state import BundleState
 from ..checkpoint import criu_config
-from ..checkpoint.pipeline import Target
+from ..checkpoint.pipeline import CRIU_LAYER, Target
 from ..checkpoint.rootfs_diff import upperdir_of
-from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ShimError
+from ..errors import (
+    AlreadyExists,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ShimError,
+)
 from ..hooks import Stage
 from ..runtime.console import ConsoleSocket
 from ..runtime.mount import Mount, mount_all, unmount_all
@@ -96,7 +103,7 @@ class Container:
     cgroup: Cgroup | None = None
     logger: Child | None = None
     rootfs_mounted: bool = False
-    pending_init_exit: ExitInfo | None = None
+    pending_init_exit: tuple[ExitInfo, int] | None = None  # (exit, pid) held for execs
     cr: Checkpointing | None = None  # set when the container opted in to checkpoints
     restore_images: str = ""  # CRIU images Start restores from (restore pending)
 
@@ -315,7 +322,8 @@ class Container:
             return self.init.pid
 
     async def _start_restoring(self) -> None:
-        if self.cr is None:
+        if self.cr is None or self.config.checkpoint:
+            # containerd's own restore (ctr restore): its images, no fallback of ours.
             await self._restore(self.restore_images, keep_tcp=True)
             return
         while self.cr.plan is not None:
@@ -357,15 +365,53 @@ class Container:
 
     async def _restore(self, images: str, *, keep_tcp: bool) -> None:
         work = self.config.options.criu_work_path or os.path.join(self.bundle, "work")
+        timeout: float | None = None
+        plan = self.cr.plan if self.cr is not None and not self.config.checkpoint else None
         if self.cr is not None:
             criu_config.write(
                 self.bundle, criu_config.restore_options(self.cr.config, keep_tcp=keep_tcp)
             )
-            work = os.path.join(os.path.dirname(images), "criu-work")
-            timeout: float | None = self.cr.config.restore_timeout
-        else:
-            timeout = None
+            timeout = self.cr.config.restore_timeout
+        if plan is not None:
+            work = plan.work_dir
         self._fresh_io()
+        verifying: asyncio.Task[None] | None = None
+        if self.cr is not None and plan is not None and plan.cached:
+            verifying = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self.cr.store.raw_cache.verify, plan.entry.id, CRIU_LAYER)
+            )
+        failure: BaseException | None = None
+        try:
+            await self._restore_images(images, work, keep_tcp, timeout)
+        except BaseException as err:
+            failure = err
+        if verifying is not None and plan is not None and self.cr is not None:
+            try:
+                await verifying
+            except DataLoss as bad:
+                # The cached images were not what was committed: whatever CRIU made of
+                # them must not run. The caller retries from the verified blob.
+                if failure is None:
+                    with contextlib.suppress(ShimError):
+                        await self.runc.kill(self.id, signal.SIGKILL, all=True)
+                self.cr.store.raw_cache.drop(plan.entry.id)
+                raise bad from failure
+        if failure is not None:
+            raise failure
+        if self.cr is not None and plan is not None and plan.gpu:
+            try:
+                await self.cr.pipeline.gpu.after_restore(
+                    self.id, self.runc, plan.gpu, plan.gpu_device_map
+                )
+            except BaseException:
+                # Processes without their GPU state cannot run: this attempt failed.
+                with contextlib.suppress(ShimError):
+                    await self.runc.kill(self.id, signal.SIGKILL, all=True)
+                raise
+
+    async def _restore_images(
+        self, images: str, work: str, keep_tcp: bool, timeout: float | None
+    ) -> None:
         async with asyncio.timeout(timeout):
             await self._run_with_stdio(
                 self.io,
@@ -390,17 +436,6 @@ class Container:
             )
         self.init.pid = read_pid_file(self._pid_file())
         self._load_cgroup()
-        plan = self.cr.plan if self.cr is not None else None
-        if self.cr is not None and plan is not None and plan.gpu:
-            try:
-                await self.cr.pipeline.gpu.after_restore(
-                    self.id, self.runc, plan.gpu, plan.gpu_device_map
-                )
-            except BaseException:
-                # Processes without their GPU state cannot run: this attempt failed.
-                with contextlib.suppress(ShimError):
-                    await self.runc.kill(self.id, signal.SIGKILL, all=True)
-                raise
 
     def _fresh_io(self) -> None:
         """New pipes for another attempt at starting the init: a failed one closed its own."""

@@ -84,7 +84,8 @@ class TaskService:
         self.containers: dict[str, Container] = {}
         self._on_shutdown = on_shutdown
         self._exit_tasks: set[asyncio.Task[None]] = set()
-        self._exiting: set[int] = set()  # id() of processes whose exit is being handled
+        # (id(process), pid) of exits being handled: one exit seen twice is handled once.
+        self._exiting: set[tuple[int, int]] = set()
         reaper.subscribe(self._on_exit)
 
     def cedana_methods(self) -> Mapping[str, Method[Any]]:
@@ -390,13 +391,14 @@ class TaskService:
 
     def _schedule_exit(self, container: Container, process: Process, ex: Exit) -> None:
         # An exit seen both live and in a start window is handled once.
-        if id(process) in self._exiting:
+        key = (id(process), ex.pid)
+        if key in self._exiting:
             return
-        self._exiting.add(id(process))
+        self._exiting.add(key)
         task = asyncio.get_running_loop().create_task(self._handle_exit(container, process, ex))
         self._exit_tasks.add(task)
         task.add_done_callback(self._exit_tasks.discard)
-        task.add_done_callback(lambda _: self._exiting.discard(id(process)))
+        task.add_done_callback(lambda _: self._exiting.discard(key))
 
     async def _handle_exit(self, container: Container, process: Process, ex: Exit) -> None:
         if not process.is_init:
@@ -405,7 +407,7 @@ class TaskService:
             pending = container.pending_init_exit
             if pending is not None and not container.running_execs():
                 container.pending_init_exit = None
-                await self._finish_init_exit(container, pending)
+                await self._finish_init_exit(container, *pending)
             return
         if container.needs_kill_all_on_exit():
             try:
@@ -421,13 +423,20 @@ class TaskService:
             status = 128 + container.cr.stop_signal  # stopped by its checkpoint-on-stop
         info = ExitInfo(status, ex.timestamp)
         if container.running_execs():
-            container.pending_init_exit = info  # published after the last exec's
+            container.pending_init_exit = (info, ex.pid)  # published after the last exec's
             return
-        await self._finish_init_exit(container, info)
+        await self._finish_init_exit(container, info, ex.pid)
 
-    async def _finish_init_exit(self, container: Container, info: ExitInfo) -> None:
+    async def _finish_init_exit(self, container: Container, info: ExitInfo, pid: int) -> None:
         # The lock orders the exit after a Start still in flight (its TaskStart first).
         async with container.init.lock:
+            if container.init.pid != pid:
+                # A process of a restore attempt that failed (and was killed): the
+                # container's init is another process by now.
+                log.debug(
+                    "exit of a replaced process", extra={"container": container.id, "pid": pid}
+                )
+                return
             if container.init.set_exited(info.status, info.timestamp):
                 self._publish_exit(container.init)
         log.info("exited", extra={"container": container.id, "exit_status": info.status})
