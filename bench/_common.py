@@ -10,6 +10,8 @@ fixtures build one, statistics, host facts (load average) and crash-safe cleanup
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import importlib.util
 import json
 import os
 import platform
@@ -32,20 +34,17 @@ VENV_PYTHON = REPO_ROOT / ".venv" / "bin" / "python"
 # Set in containerd's environment (which every shim, and the fork server a shim
 # spawns, inherits) so that cleanup can find exactly the processes this run caused.
 MARKER_ENV = "CEDANA_BENCH_RUN"
+_MNT_DETACH = 2
 
 
 def ensure_venv() -> None:
     """Re-exec under the project venv: the harness needs grpcio and cedana_shim."""
-    try:
-        import grpc  # noqa: F401
-
-        import cedana_shim  # noqa: F401
-    except ImportError:
+    if not all(importlib.util.find_spec(m) for m in ("grpc", "cedana_shim")):
         in_venv = Path(sys.prefix).resolve() == VENV_PYTHON.parent.parent.resolve()
         if in_venv or not VENV_PYTHON.exists():
             raise SystemExit(
                 f"{VENV_PYTHON} cannot import grpc/cedana_shim: run `make setup` first"
-            ) from None
+            )
         os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), *sys.argv])
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
@@ -345,11 +344,14 @@ def private_containerd(
     version = containerd_version(version_short)
     root = work_root()
     marker = uuid.uuid4().hex
-    cleanup.push(
-        f"remove {root}",
-        lambda: keep
-        or subprocess.run(["rm", "-rf", "--one-file-system", str(root)], check=False),
-    )
+
+    def remove_root() -> None:
+        # A runc/CRIU killed half-way (Ctrl-C during a restore) leaves mounts behind.
+        detach_mounts_under(root)
+        if not keep:
+            subprocess.run(["rm", "-rf", "--one-file-system", str(root)], check=False)
+
+    cleanup.push(f"remove {root}", remove_root)
     # Anything that still carries our marker once containerd is gone: fork servers
     # started by our shims (they idle for an hour otherwise), daemons that hung.
     cleanup.push("kill processes of this run", lambda: kill_marked(marker))
@@ -359,9 +361,17 @@ def private_containerd(
     created = [d for d in runc_roots if not d.exists()]
 
     def remove_runc_roots() -> None:
+        # A shim that is still exiting may be removing its last state dir in there.
+        deadline = time.monotonic() + 5
         for d in created:
-            with contextlib.suppress(OSError):
-                d.rmdir()
+            while d.exists():
+                try:
+                    d.rmdir()
+                except OSError:
+                    if time.monotonic() > deadline:
+                        print(f"[cleanup] {d} not empty: left", file=sys.stderr)
+                        break
+                    time.sleep(0.1)
 
     cleanup.push("empty runc state roots", remove_runc_roots)
     store = root / "store"
@@ -386,7 +396,62 @@ def private_containerd(
             print(f"[cleanup containerd {version.full}] {note}", file=sys.stderr)
 
     cleanup.push(f"containerd {version.full} teardown", stop_containerd)
+    # The harness may set its own store path (it did not always): the shim uses
+    # whatever containerd's environment says, so read it from there.
+    if instance.proc is None:
+        raise RuntimeError("containerd is not running")
+    env = process_environ(instance.proc.pid)
+    if MARKER_ENV not in env:
+        raise RuntimeError(f"containerd (pid {instance.proc.pid}) lacks {MARKER_ENV}")
+    store = Path(env.get("CEDANA_STORE_PATH", "/var/lib/cedana/checkpoints"))
     yield Bench(instance, images, root, store, marker, version)
+
+
+def detach_mounts_under(path: Path) -> None:
+    from tests.integration.harness.procs import mounts_under
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for point in mounts_under(path):
+        if libc.umount2(point.encode(), _MNT_DETACH) != 0:
+            print(f"[cleanup] umount {point}: errno {ctypes.get_errno()}", file=sys.stderr)
+
+
+def remove_cgroup_tree(name: str, timeout: float = 5.0) -> None:
+    """rmdir /sys/fs/cgroup/<controller>/<name> and everything below, deepest first,
+    retrying while a killed process is still leaving them. Whatever still runs in
+    there is this run's own (e.g. a process CRIU restored before its runc was killed)
+    and is SIGKILLed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for procs in Path("/sys/fs/cgroup").glob(f"*/{name}/**/cgroup.procs"):
+            with contextlib.suppress(OSError, ValueError):
+                for pid in procs.read_text().split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+        left = []
+        for controller in Path("/sys/fs/cgroup").iterdir():
+            base = controller / name
+            if not base.is_dir():
+                continue
+            for dirpath, _dirs, _files in sorted(
+                os.walk(base), key=lambda t: t[0].count("/"), reverse=True
+            ):
+                try:
+                    os.rmdir(dirpath)
+                except OSError:
+                    left.append(dirpath)
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            print(f"[cleanup] cgroups not removed: {left}", file=sys.stderr)
+            return
+        time.sleep(0.2)
+
+
+def process_environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {k: v for k, _, v in pairs}
 
 
 def wall(fn: Callable[[], object]) -> float:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from _common import (
     Cleanup,
     Report,
     base_parser,
@@ -92,9 +92,7 @@ def measure_pod(b: Any, handler: str, run: int) -> dict[str, Any]:
         with cri.pod(f"bench-mem-{handler}-{run}", log_dir, host_network=False) as pod:
             cids = []
             for n in range(CONTAINERS):
-                cid = cri.create_container(
-                    pod, f"sleeper{n}", b.images.busybox, ["sleep", "3600"]
-                )
+                cid = cri.create_container(pod, f"sleeper{n}", b.images.busybox, ["sleep", "3600"])
                 cri.start_container(cid)
                 cids.append(cid)
             # What kubelet does every few seconds: status and stats of everything.
@@ -189,66 +187,81 @@ def main() -> int:
     finally:
         cleanup.run()
 
-    def stat(handler: str, key: str) -> float:
-        return summarize([m[key] / MB for m in measured[handler]]).median
-
+    # A cedana daemon is forked either by the warm fork server (the steady state) or,
+    # when none answers for this exact code (first start, or the package changed on
+    # disk: the server's socket name carries a fingerprint of the code), by the
+    # `start` process itself after importing everything cold. Each group is
+    # summarised on its own.
+    groups: dict[str, list[dict[str, Any]]] = {
+        "cedana (fork-server path)": [m for m in measured["cedana"] if m["forkserver"]],
+        "cedana (cold path)": [m for m in measured["cedana"] if not m["forkserver"]],
+        "runc": measured["runc"],
+    }
+    groups = {k: v for k, v in groups.items() if v}
     rows = []
     summary: dict[str, Any] = {}
-    for handler in handlers:
-        daemons = sorted({len(m["daemons"]) for m in measured[handler]})
-        row: dict[str, Any] = {"daemons_per_pod": daemons}
+    for name, samples in groups.items():
+        daemons = sorted({len(m["daemons"]) for m in samples})
+        row: dict[str, Any] = {"pods": len(samples), "daemons_per_pod": daemons}
         for key in ("rss", "pss", "uss"):
-            st = summarize([m[key] / MB for m in measured[handler]])
-            row[key + "_mb"] = st.as_dict(2)
-        summary[handler] = row
+            row[key + "_mb"] = summarize([m[key] / MB for m in samples]).as_dict(2)
+        summary[name] = row
+
+        def cell(key: str, row: dict[str, Any] = row) -> str:
+            st = row[key + "_mb"]
+            return f"{st['median']:.1f} ({st['min']:.1f}-{st['max']:.1f})"
+
         rows.append(
-            [
-                handler,
-                ",".join(map(str, daemons)),
-                f"{row['rss_mb']['median']:.1f} ({row['rss_mb']['min']:.1f}-"
-                f"{row['rss_mb']['max']:.1f})",
-                f"{row['pss_mb']['median']:.1f} ({row['pss_mb']['min']:.1f}-"
-                f"{row['pss_mb']['max']:.1f})",
-                f"{row['uss_mb']['median']:.1f}",
-            ]
-        )
+            [name, str(len(samples)), ",".join(map(str, daemons)), cell("rss"), cell("pss"),
+             cell("uss")]
+        )  # fmt: skip
     fs_samples = [m["forkserver"] for m in measured["cedana"] if m["forkserver"]]
     if fs_samples:
-        fs_rss = summarize([f["rss"] / MB for f in fs_samples])
-        fs_pss = summarize([f["pss"] / MB for f in fs_samples])
-        summary["cedana_forkserver"] = {"rss_mb": fs_rss.as_dict(2), "pss_mb": fs_pss.as_dict(2)}
+        fs = {k: summarize([f[k] / MB for f in fs_samples]) for k in ("rss", "pss", "uss")}
+        summary["cedana fork server itself"] = {k + "_mb": v.as_dict(2) for k, v in fs.items()}
         rows.append(
-            [
-                "(cedana fork server)",
-                "1",
-                f"{fs_rss.median:.1f}",
-                f"{fs_pss.median:.1f}",
-                "",
-            ]
-        )
+            ["(cedana fork server itself)", str(len(fs_samples)), "-",
+             f"{fs['rss'].median:.1f}", f"{fs['pss'].median:.1f}", f"{fs['uss'].median:.1f}"]
+        )  # fmt: skip
     else:
-        report.notes.append("no cedana daemon was a child of a fork server (cold path?)")
+        report.notes.append("no cedana daemon was a child of a fork server: all took the cold path")
+    cold = len(groups.get("cedana (cold path)", []))
+    if cold:
+        report.notes.append(
+            f"{cold} of {len(measured['cedana'])} cedana pods got a daemon forked cold (no fork "
+            "server answered for the current code, e.g. the package changed on disk mid-run)"
+        )
 
     print(
         f"\nshim daemon memory for one pod of {CONTAINERS} containers, containerd "
-        f"{args.containerd}, {args.runs} pods each (median, min-max), MB = MiB"
+        f"{args.containerd}, {args.runs} pods per runtime (median, min-max), MB = MiB"
     )
-    print_table(["runtime", "daemons", "RSS MB", "PSS MB", "USS MB"], rows)
-    rss_ratio = ratio(stat("cedana", "rss"), stat("runc", "rss"))
-    pss_ratio = ratio(stat("cedana", "pss"), stat("runc", "pss"))
-    cedana_rss = stat("cedana", "rss")
-    print(
-        f"ratio cedana/runc: RSS {rss_ratio:.2f}, PSS {pss_ratio:.2f}; cedana RSS "
-        f"{cedana_rss:.1f} MB (target <= {TARGET_RSS_MB:.0f} MB: "
-        f"{verdict(cedana_rss, TARGET_RSS_MB)})"
-    )
+    print_table(["runtime", "pods", "daemons", "RSS MB", "PSS MB", "USS MB"], rows)
+    runc_rss = summary["runc"]["rss_mb"]["median"]
+    runc_pss = summary["runc"]["pss_mb"]["median"]
+    verdicts: dict[str, Any] = {}
+    for name in groups:
+        if not name.startswith("cedana"):
+            continue
+        rss = summary[name]["rss_mb"]["median"]
+        pss = summary[name]["pss_mb"]["median"]
+        verdicts[name] = {
+            "rss_mb": rss,
+            "pss_mb": pss,
+            "ratio_rss": round(ratio(rss, runc_rss), 3),
+            "ratio_pss": round(ratio(pss, runc_pss), 3),
+            "meets_target": rss <= TARGET_RSS_MB,
+        }
+        print(
+            f"{name}: RSS {rss:.2f} MB ({verdict(rss, TARGET_RSS_MB)} <= {TARGET_RSS_MB:.0f} MB),"
+            f" PSS {pss:.2f} MB; cedana/runc RSS {ratio(rss, runc_rss):.2f}, "
+            f"PSS {ratio(pss, runc_pss):.2f}"
+        )
     report.results = {
         "unit": "MiB",
         "summary": summary,
-        "ratio_rss_median": round(rss_ratio, 3),
-        "ratio_pss_median": round(pss_ratio, 3),
         "target_rss_mb": TARGET_RSS_MB,
-        "meets_target": cedana_rss <= TARGET_RSS_MB,
+        "verdicts": verdicts,
         "runs": measured,
     }
     report.notes.append(

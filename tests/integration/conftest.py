@@ -46,11 +46,40 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "ctrd_versions(*short): run this test only on these containerd versions (e.g. "
+        '"1.6", "2.1"); when CEDANA_TEST_CONTAINERD selects none of them, on the newest '
+        "selected version instead",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.integration)
+    _narrow_versions(config, items)
+
+
+def _narrow_versions(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect (not skip) the versions a `ctrd_versions`-marked test does not run on."""
+    selected = [v.short for v in selected_versions()]
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
+    for item in items:
+        marker = item.get_closest_marker("ctrd_versions")
+        callspec = getattr(item, "callspec", None)
+        version = callspec.params.get("ctrd_version") if callspec is not None else None
+        if marker is None or not isinstance(version, ContainerdVersion):
+            keep.append(item)
+            continue
+        wanted = [v for v in marker.args if v in selected] or selected[-1:]
+        (keep if version.short in wanted else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.hookimpl(tryfirst=True)

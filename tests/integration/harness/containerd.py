@@ -16,6 +16,7 @@ import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 from . import procs
@@ -55,9 +56,14 @@ class Containerd:
         runtime: Runtime,
         base: Path,
         images: TestImages,
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         self.version = version
         self.runtime = runtime
+        # Added last to containerd's environment, so its shims inherit them (node config
+        # `CEDANA_<KEY>`, or e.g. PYTHONPATH with CEDANA_FORKSERVER=0). A change takes
+        # effect at the next start().
+        self.extra_env: dict[str, str] = dict(extra_env or {})
         self.images = images
         self.base = base
         self.root = base / "root"
@@ -224,6 +230,7 @@ state = {_toml_str(self.state)}
         env["CEDANA_STORE_PATH"] = str(self.store)
         # The warm fork server must not outlive the suite by an hour.
         env.setdefault("CEDANA_FORKSERVER_IDLE", "120")
+        env.update(self.extra_env)
         return env
 
     # -- lifecycle --------------------------------------------------------------------
@@ -536,9 +543,11 @@ def make_containerd(
     images: TestImages,
     parent: Path,
     namespaces: tuple[str, ...],
+    extra_env: Mapping[str, str] | None = None,
 ) -> Containerd:
     """Create, start and load images into a containerd; on any failure, clean up and
-    re-raise (a fixture that fails half-way must not leak a daemon)."""
+    re-raise (a fixture that fails half-way must not leak a daemon). `extra_env` is
+    added to containerd's environment (see `Containerd.extra_env`)."""
     for binary in (version.containerd, version.ctr, version.runc_shim, CRIU):
         if not os.access(binary, os.X_OK):
             raise ContainerdError(f"{binary} missing or not executable: run `make setup`")
@@ -556,7 +565,7 @@ def make_containerd(
             check=True,
         ).stdout.strip()
     )
-    instance = Containerd(version, runtime, base, images)
+    instance = Containerd(version, runtime, base, images, extra_env)
     try:
         instance.start()
         for ns in namespaces:

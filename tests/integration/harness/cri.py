@@ -54,7 +54,9 @@ class CriClient:
 
     # -- pods -------------------------------------------------------------------------
 
-    def pod_config(self, name: str, log_dir: Path, *, host_network: bool) -> cri.PodSandboxConfig:
+    def pod_config(
+        self, name: str, log_dir: Path, *, host_network: bool, namespace: str = "itest"
+    ) -> cri.PodSandboxConfig:
         uid = uuid.uuid4().hex
         ns = cri.NamespaceOption(
             network=cri.NODE if host_network else cri.POD,
@@ -62,7 +64,7 @@ class CriClient:
             ipc=cri.POD,
         )
         return cri.PodSandboxConfig(
-            metadata=cri.PodSandboxMetadata(name=name, uid=uid, namespace="itest", attempt=0),
+            metadata=cri.PodSandboxMetadata(name=name, uid=uid, namespace=namespace, attempt=0),
             # kubelet leaves hostname empty for host-network pods: they share the
             # node's UTS namespace and runc refuses to set a hostname there.
             hostname="" if host_network else name,
@@ -74,9 +76,12 @@ class CriClient:
             ),
         )
 
-    def run_pod(self, name: str, log_dir: Path, *, host_network: bool) -> Pod:
+    def run_pod(
+        self, name: str, log_dir: Path, *, host_network: bool, namespace: str = "itest"
+    ) -> Pod:
+        """`namespace` is the pod's Kubernetes namespace (metadata.namespace)."""
         log_dir.mkdir(parents=True, exist_ok=True)
-        config = self.pod_config(name, log_dir, host_network=host_network)
+        config = self.pod_config(name, log_dir, host_network=host_network, namespace=namespace)
         resp = self.runtime.RunPodSandbox(
             cri.RunPodSandboxRequest(config=config, runtime_handler=self.handler),
             timeout=RPC_TIMEOUT,
@@ -105,9 +110,11 @@ class CriClient:
         return [p.id for p in resp.items]
 
     @contextlib.contextmanager
-    def pod(self, name: str, log_dir: Path, *, host_network: bool) -> Iterator[Pod]:
+    def pod(
+        self, name: str, log_dir: Path, *, host_network: bool, namespace: str = "itest"
+    ) -> Iterator[Pod]:
         """A pod that is stopped and removed (with its containers) however the test ends."""
-        pod = self.run_pod(name, log_dir, host_network=host_network)
+        pod = self.run_pod(name, log_dir, host_network=host_network, namespace=namespace)
         try:
             yield pod
         finally:
