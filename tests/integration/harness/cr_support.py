@@ -1,0 +1,367 @@
+"""Shared pieces of the checkpoint/restore tests: the counter workload, the shim's JSON
+log records, the checkpoint store as the shim left it, and /proc probes for the CRIU
+process of a dump in progress."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import tarfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cedana_shim.checkpoint.pipeline import CRIU_LAYER, MEDIA_TYPES, ROOTFS_LAYER
+from cedana_shim.checkpoint.store import Entry, Store, StoreConfig
+
+from . import procs
+from .containerd import Containerd
+from .util import wait_for
+
+__all__ = [
+    "CRIU_LAYER",
+    "MEDIA_TYPES",
+    "ROOTFS_LAYER",
+    "Counter",
+    "ShimLog",
+    "assert_continues",
+    "blob_path",
+    "counter_script",
+    "criu_pids",
+    "entries",
+    "file_lines",
+    "ingest_dirs",
+    "open_store",
+    "parse_ticks",
+    "store_is_sound",
+    "wait_ticks",
+]
+
+# -- the workload ------------------------------------------------------------------------
+
+# What a tick line looks like: "tick <token> <n>". The token is drawn once by the first
+# incarnation and lives in a shell variable (and in files): a restored process prints
+# the same token, a cold start a new one.
+_TICK = re.compile(r"tick ([0-9a-f-]{36}) (\d+)\s*$")
+DELETED_FILE = "/etc/group"  # present in the test image (harness.images), deleted by the workload
+
+
+def counter_script(*, mem_kib: int = 0, tick: float = 0.2, extra: str = "") -> str:
+    """A busybox shell counter whose state is only in memory (`i`), mirrored every tick
+    to /var/count on the rootfs and to stdout; at start it records its token in
+    /var/token and /dev/shm/token and deletes DELETED_FILE from the image.
+
+    `mem_kib` keeps that much random (base64) text in a shell variable, so the dump has
+    real memory to write. SIGTERM reaches the script only when the shim delivers it
+    (pid 1 ignores signals without a handler); the trap prints `got-TERM` first, so a
+    stop that was NOT a checkpoint is visible in the output."""
+    mem = ""
+    if mem_kib:
+        # base64 of random bytes: ~1.33x the bytes, held by the shell as one string.
+        raw = mem_kib * 1024 * 3 // 4
+        mem = f'pad=$(head -c {raw} /dev/urandom | base64); echo "pad ${{#pad}}"\n'
+    return (
+        "trap 'echo got-TERM; exit 143' TERM\n"
+        "tok=$(cat /proc/sys/kernel/random/uuid)\n"
+        'echo "$tok" > /var/token\n'
+        'echo "$tok" > /dev/shm/token\n'
+        f"rm {DELETED_FILE}\n"
+        f"{mem}"
+        f"{extra}"
+        "i=0\n"
+        "while :; do\n"
+        "  i=$((i+1))\n"
+        '  echo "$i" > /var/count\n'
+        '  echo "tick $tok $i"\n'
+        f"  sleep {tick}\n"
+        "done\n"
+    )
+
+
+@dataclass(frozen=True)
+class Counter:
+    token: str
+    values: list[int]
+
+    @property
+    def first(self) -> int:
+        return self.values[0]
+
+    @property
+    def last(self) -> int:
+        return self.values[-1]
+
+
+def parse_ticks(lines: list[str]) -> Counter | None:
+    """The token and values of the tick lines (None without any); one token only."""
+    found = [m for line in lines if (m := _TICK.search(line))]
+    if not found:
+        return None
+    tokens = {m.group(1) for m in found}
+    assert len(tokens) == 1, f"ticks from more than one incarnation: {sorted(tokens)}"
+    return Counter(found[0].group(1), [int(m.group(2)) for m in found])
+
+
+def file_lines(path: Path) -> list[str]:
+    """Complete lines of a file the container's stdout goes to (`ctr run --log-uri
+    file://`); the last line may still be being written."""
+    if not path.exists():
+        return []
+    text = path.read_text(errors="replace")
+    return text[: text.rfind("\n") + 1].splitlines()
+
+
+def wait_ticks(read: Callable[[], list[str]], *, count: int, timeout: float = 20) -> Counter:
+    """Until the output holds at least `count` tick lines."""
+
+    def enough() -> Counter | None:
+        c = parse_ticks(read())
+        return c if c is not None and len(c.values) >= count else None
+
+    return wait_for(enough, timeout=timeout, interval=0.1, what=f"{count} counter ticks")
+
+
+def assert_continues(before: Counter, after: Counter, what: str) -> None:
+    """`after` is the same process as `before`, resumed: same in-memory token, the count
+    goes on from above the last value seen (a dump freezes the loop at most a tick or two
+    past the last line that reached the log), and it counts one by one."""
+    assert after.token == before.token, (
+        f"{what}: the new container drew a new token (a cold start), "
+        f"old {before.token} ticks ..{before.last}, new {after.token} ticks {after.values[:5]}"
+    )
+    assert before.last < after.first <= before.last + 3, (
+        f"{what}: counter resumed at {after.first}, last value before the stop was "
+        f"{before.last}; ticks after: {after.values}"
+    )
+    assert after.values == list(range(after.first, after.first + len(after.values))), (
+        f"{what}: the resumed counter skipped or repeated: {after.values}"
+    )
+
+
+# -- the shim's log (JSON lines in containerd's log) -------------------------------------
+
+
+class ShimLog:
+    """The shim's structured records written to containerd's log since `mark()`."""
+
+    def __init__(self, containerd: Containerd) -> None:
+        self.containerd = containerd
+        self.offset = containerd.log_offset()
+
+    def mark(self) -> ShimLog:
+        self.offset = self.containerd.log_offset()
+        return self
+
+    def records(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.containerd.log_since(self.offset, limit=50_000_000).splitlines():
+            if not line.startswith("{"):
+                continue
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and "msg" in record:
+                    out.append(record)
+        return out
+
+    def find(self, msg: str, **fields: object) -> list[dict[str, Any]]:
+        return [
+            r
+            for r in self.records()
+            if r["msg"] == msg and all(r.get(k) == v for k, v in fields.items())
+        ]
+
+    def wait(self, msg: str, *, timeout: float = 30, **fields: object) -> dict[str, Any]:
+        found: list[dict[str, Any]] = wait_for(
+            lambda: self.find(msg, **fields),
+            timeout=timeout,
+            interval=0.1,
+            what=f"shim log record {msg!r} with {fields}",
+        )
+        return found[0]
+
+    def about(self, container: str) -> list[str]:
+        """Messages of the records naming `container`, in order (for assertion texts)."""
+        return [
+            r["msg"]
+            for r in self.records()
+            if container in (r.get("container"), r.get("container_id"))
+        ]
+
+
+# -- the store ---------------------------------------------------------------------------
+
+
+def open_store(root: Path) -> Store:
+    return Store(StoreConfig(root=str(root)))
+
+
+def entries(root: Path, *, scope: str | None = None, label: str | None = None) -> list[Entry]:
+    """Committed checkpoints (index.json members), newest first."""
+    if not (root / "index.json").exists():
+        return []
+    return open_store(root).list(scope=scope, label=label)
+
+
+def store_is_sound(root: Path) -> list[Entry]:
+    """Every listed checkpoint is complete and verifies (deep); returns them."""
+    listed = entries(root)
+    store = open_store(root)
+    for entry in listed:
+        assert entry.damage is None, f"listed checkpoint {entry.id} is damaged: {entry.damage}"
+        store.verify(entry)  # raises DataLoss naming the bad blob
+    return listed
+
+
+def rootfs_diff_file(root: Path, entry: Entry, path: str) -> bytes | None:
+    """A regular file's content in a checkpoint's rootfs-diff layer (verified stream)."""
+    wanted = path.strip("/")
+    with (
+        open_store(root).open_layer(entry, ROOTFS_LAYER) as stream,
+        tarfile.open(fileobj=stream, mode="r|") as tar,
+    ):
+        for member in tar:
+            if member.name.removeprefix("./").strip("/") == wanted and member.isfile():
+                f = tar.extractfile(member)
+                assert f is not None
+                return f.read()
+    return None
+
+
+def blob_path(root: Path, digest: str) -> Path:
+    return root / "blobs" / "sha256" / digest.removeprefix("sha256:")
+
+
+def ingest_dirs(root: Path) -> list[Path]:
+    ingest = root / "ingest"
+    return sorted(ingest.iterdir()) if ingest.is_dir() else []
+
+
+def tree_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+# -- processes ---------------------------------------------------------------------------
+
+
+def criu_pids(shim_pid: int) -> set[int]:
+    """CRIU processes working for this shim (shim -> runc -> criu)."""
+    return {
+        pid
+        for pid in procs.descendants({shim_pid})
+        if (argv := procs.read_argv(pid)) and os.path.basename(argv[0]) == "criu"
+    }
+
+
+def wait_criu(shim_pid: int, timeout: float = 15) -> set[int]:
+    """Poll (every 2 ms: a dump of tens of MiB lasts a fraction of a second) until a
+    CRIU process runs under the shim."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = criu_pids(shim_pid)
+        if found:
+            return found
+        time.sleep(0.002)
+    raise AssertionError(f"no criu process appeared under shim {shim_pid} in {timeout}s")
+
+
+def kill_all(pids: set[int], sig: int = signal.SIGKILL) -> None:
+    for pid in pids:
+        procs.kill_quietly(pid, sig)
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """SIGSTOP `pid` for the duration of the block (SIGCONT after, if it still lives)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        procs.kill_quietly(pid, signal.SIGCONT)
+
+
+# -- ctr containers of one label ---------------------------------------------------------
+
+
+@dataclass
+class Box:
+    """One `ctr run -d` container of a test; its stdout goes to `out`."""
+
+    cid: str
+    out: Path
+
+    def lines(self) -> list[str]:
+        return file_lines(self.out)
+
+    def ticks(self) -> Counter | None:
+        return parse_ticks(self.lines())
+
+
+class Workloads:
+    """Containers started with `ctr run -d --env CEDANA_CHECKPOINT=<label>`, all removed
+    (SIGKILL, delete) when the block ends."""
+
+    def __init__(
+        self,
+        containerd: Containerd,
+        new_id: Callable[[str], str],
+        *,
+        label: str,
+        script: str,
+        namespace: str,
+    ) -> None:
+        self.containerd = containerd
+        self.ctr = containerd.ctr(namespace)
+        self.new_id = new_id
+        self.label = label
+        self.script = script
+        self.logs = containerd.base / "ctr-logs"
+        self.logs.mkdir(exist_ok=True)
+        self.started: list[Box] = []
+
+    def start(self, tag: str, *, label: str | None = None) -> Box:
+        cid = self.new_id(tag)
+        box = Box(cid, self.logs / f"{cid}.log")
+        self.started.append(box)
+        flags = (
+            "-d",
+            "--env",
+            f"CEDANA_CHECKPOINT={label or self.label}",
+            "--log-uri",
+            f"file://{box.out}",
+        )
+        self.ctr(
+            *self.ctr.run_args(
+                self.containerd.images.busybox, cid, "sh", "-c", self.script, flags=flags
+            )
+        )
+        return box
+
+    def delete(self, box: Box) -> None:
+        """`ctr task delete` + `ctr containers delete` of a stopped container."""
+        self.ctr("task", "delete", box.cid)
+        self.ctr("containers", "delete", box.cid)
+
+    def pid(self, box: Box) -> int:
+        task = self.ctr.task(box.cid)
+        assert task is not None, f"no task {box.cid}"
+        return task.pid
+
+    def close(self) -> None:
+        for box in self.started:
+            self.ctr.remove(box.cid)
+
+    def __enter__(self) -> Workloads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
