@@ -9,6 +9,7 @@ the file before every dump and restore with what that operation needs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -36,11 +37,54 @@ def dump_options(config: NodeConfig) -> list[str]:
     ]
 
 
-def restore_options(config: NodeConfig, *, keep_tcp: bool) -> list[str]:
+def restore_options(config: NodeConfig, *, keep_tcp: bool, gate: str = "") -> list[str]:
     # Established connections survive only when the pod kept its IP; otherwise
     # CRIU closes them cleanly and the application sees a reset, not a hang.
     tcp = [] if keep_tcp and config.tcp_established else ["tcp-close"]
-    return [*tcp, *_extra(config)]
+    # A gate script holds CRIU before it resumes the restored tasks (see write_gate).
+    script = [f"action-script {gate}"] if gate else []
+    return [*tcp, *script, *_extra(config)]
+
+
+GATE_TEMPLATE = """#!/bin/sh
+# Written by cedana-shim for one restore: CRIU runs it at each restore step; at
+# pre-resume it waits for the shim's verdict on the images CRIU restored from,
+# and a bad one aborts the restore before any restored task runs again.
+[ "$CRTOOLS_SCRIPT_ACTION" = "pre-resume" ] || exit 0
+i=0
+while [ ! -e '{verdict}' ]; do
+  i=$((i + 1))
+  [ "$i" -gt {polls} ] && exit 1
+  sleep 0.01
+done
+[ "$(cat '{verdict}')" = ok ]
+"""
+
+
+def write_gate(directory: str, timeout: float) -> tuple[str, str]:
+    """A CRIU action script that blocks pre-resume until ``verdict`` says ok.
+
+    Returns (script path, verdict path); write "ok" (or anything else) to the
+    verdict file with :func:`give_verdict`.
+    """
+    script = os.path.join(directory, "cedana-gate.sh")
+    verdict = os.path.join(directory, "cedana-verdict")
+    for path in (script, verdict):
+        if "'" in path:
+            raise ValueError(f"unsupported path for a CRIU action script: {path!r}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(verdict)
+    fd = os.open(script, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o700)
+    with os.fdopen(fd, "w") as f:
+        f.write(GATE_TEMPLATE.format(verdict=verdict, polls=int(timeout * 100)))
+    return script, verdict
+
+
+def give_verdict(verdict: str, ok: bool) -> None:
+    tmp = verdict + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("ok" if ok else "bad")
+    os.rename(tmp, verdict)
 
 
 def _extra(config: NodeConfig) -> list[str]:

@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -23,6 +24,7 @@ from typing import Any
 
 from .. import __version__
 from ..config import NodeConfig
+from ..errors import ResourceExhausted
 from ..hooks import HookRunner, HookState, Stage
 from ..runtime.mount import Mount
 from ..runtime.reaper import Reaper
@@ -48,6 +50,7 @@ MEDIA_TYPES = {
 # and everything runc bind-mounts in (their content is not the layer's).
 ALWAYS_EXCLUDED = ("/proc", "/sys", "/dev")
 METADATA_VERSION = 1
+STORE_FULL_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,9 @@ class Pipeline:
         )
         paused = False
         criu_dir = ingest.dir(CRIU_LAYER)
+        # CRIU's work dir (its log) off the store's disk: when the store fills up, the
+        # log must still say so.
+        work_dir = os.path.join(target.bundle, "work", f"criu-dump-{ingest.id}")
         state: HookState | None = None
         gpu: GpuDump | None = None
         try:
@@ -176,7 +182,7 @@ class Pipeline:
                 target.container_id,
                 CheckpointOpts(
                     image_path=criu_dir,
-                    work_path=ingest.dir("criu-work"),
+                    work_path=work_dir,
                     leave_running=leave_running,
                     tcp_established=self.config.tcp_established,
                     ext_unix_sk=True,
@@ -220,8 +226,19 @@ class Pipeline:
                     await asyncio.shield(
                         self.hooks.run(Stage.POSTCHECKPOINT, replace(state, outcome="failed"))
                     )
+            # Measured before the abort frees the staged images.
+            error = sys.exc_info()[1]
+            full = "" if isinstance(error, asyncio.CancelledError) else _store_full(self.store.root)
             await asyncio.shield(asyncio.to_thread(self.store.abort, ingest))
+            if full:
+                raise ResourceExhausted(
+                    f"checkpoint of container {target.container_id} failed: the checkpoint "
+                    f"store {self.store.root} is full ({full}); free space there or point "
+                    "store_path at a larger disk"
+                ) from error
             raise
+        finally:
+            shutil.rmtree(work_dir, ignore_errors=True)
 
     def _capture_files(self, target: Target, ingest: Ingest) -> None:
         upper = upperdir_of(target.rootfs)
@@ -279,6 +296,17 @@ class Pipeline:
             "terminal": target.terminal,
             "mounts": [str(m.get("destination")) for m in spec_mounts(target.spec)],
         }
+
+
+def _store_full(root: str) -> str:
+    """A description of how full the store's disk is, or "" if it is not."""
+    try:
+        usage = shutil.disk_usage(root)
+    except OSError:
+        return ""
+    if usage.free < max(STORE_FULL_BYTES, usage.total // 100):
+        return f"{usage.free} bytes free of {usage.total}"
+    return ""
 
 
 def _mirror(src: str, dest: str) -> None:

@@ -109,10 +109,12 @@ def run_delete(args: ShimArgs) -> int:
         sys.stderr.write(f"runc delete of container {args.id}: {problem}\n")
     from ..runtime.unmount import unmount_all
 
-    try:
-        unmount_all(os.path.join(bundle, "rootfs"))
-    except Exception as err:  # any failure here is a warning for containerd's log
-        sys.stderr.write(f"unmount rootfs of container {args.id}: {err}\n")
+    # The rootfs, and anything a killed CRIU left mounted in the work dir.
+    for path in (os.path.join(bundle, "rootfs"), os.path.realpath(os.path.join(bundle, "work"))):
+        try:
+            unmount_all(path)
+        except Exception as err:  # any failure here is a warning for containerd's log
+            sys.stderr.write(f"unmount {path} of container {args.id}: {err}\n")
     sys.stdout.buffer.write(delete_response(_read_pid(bundle), KILLED_STATUS))
     sys.stdout.flush()
     return 0

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import signal
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,6 +24,7 @@ from ..checkpoint import criu_config
 from ..checkpoint.pipeline import CRIU_LAYER, Target
 from ..checkpoint.rootfs_diff import upperdir_of
 from ..errors import (
+    Aborted,
     AlreadyExists,
     DataLoss,
     FailedPrecondition,
@@ -105,6 +107,9 @@ class Container:
     rootfs_mounted: bool = False
     pending_init_exit: tuple[ExitInfo, int] | None = None  # (exit, pid) held for execs
     cr: Checkpointing | None = None  # set when the container opted in to checkpoints
+    restoring: asyncio.Task[None] | None = None  # a Start restoring the init
+    restore_killed: int | None = None  # the signal that abandoned that restore
+    abandoned_exit: ExitInfo | None = None  # the exit to report for it
     restore_images: str = ""  # CRIU images Start restores from (restore pending)
 
     @property
@@ -312,7 +317,19 @@ class Container:
                 raise FailedPrecondition(f"container {self.id} exited before it was started")
             self.init.check("start")
             if self.init.state is State.RESTORE_PENDING:
-                await self._start_restoring()
+                # A task of its own, so that a Kill can abandon a long restore (kill()).
+                self.restoring = asyncio.get_running_loop().create_task(self._start_restoring())
+                try:
+                    await self.restoring
+                except asyncio.CancelledError:
+                    if self.restore_killed is None:
+                        raise
+                    raise Aborted(
+                        f"restore of container {self.id} abandoned: signal "
+                        f"{self.restore_killed} arrived before it finished"
+                    ) from None
+                finally:
+                    self.restoring = None
             else:
                 await self.runc.start(self.id)
             if self.init.exit is None:
@@ -367,18 +384,26 @@ class Container:
         work = self.config.options.criu_work_path or os.path.join(self.bundle, "work")
         timeout: float | None = None
         plan = self.cr.plan if self.cr is not None and not self.config.checkpoint else None
-        if self.cr is not None:
-            criu_config.write(
-                self.bundle, criu_config.restore_options(self.cr.config, keep_tcp=keep_tcp)
-            )
-            timeout = self.cr.config.restore_timeout
+        gate = verdict = ""
         if plan is not None:
             work = plan.work_dir
+            if plan.cached and self.cr is not None:
+                gate, verdict = criu_config.write_gate(
+                    os.path.dirname(plan.work_dir), self.cr.config.restore_timeout
+                )
+        if self.cr is not None:
+            criu_config.write(
+                self.bundle,
+                criu_config.restore_options(self.cr.config, keep_tcp=keep_tcp, gate=gate),
+            )
+            timeout = self.cr.config.restore_timeout
         self._fresh_io()
         verifying: asyncio.Task[None] | None = None
         if self.cr is not None and plan is not None and plan.cached:
+            # CRIU restores from the cache while its digests are checked; the gate
+            # holds the restored tasks stopped until the verdict.
             verifying = asyncio.get_running_loop().create_task(
-                asyncio.to_thread(self.cr.store.raw_cache.verify, plan.entry.id, CRIU_LAYER)
+                self._verify_cache(plan.entry.id, verdict)
             )
         failure: BaseException | None = None
         try:
@@ -408,6 +433,15 @@ class Container:
                 with contextlib.suppress(ShimError):
                     await self.runc.kill(self.id, signal.SIGKILL, all=True)
                 raise
+
+    async def _verify_cache(self, entry_id: str, verdict: str) -> None:
+        assert self.cr is not None
+        try:
+            await asyncio.to_thread(self.cr.store.raw_cache.verify, entry_id, CRIU_LAYER)
+        except BaseException:
+            criu_config.give_verdict(verdict, ok=False)
+            raise
+        criu_config.give_verdict(verdict, ok=True)
 
     async def _restore_images(
         self, images: str, work: str, keep_tcp: bool, timeout: float | None
@@ -533,10 +567,15 @@ class Container:
             except ProcessLookupError:
                 raise NotFound(f"exec {exec_id} of container {self.id} already exited") from None
             return
+        if self.restoring is not None and not self.restoring.done():
+            await self._abandon_restore(sig)
+            return
         cr = self.cr
-        if cr is not None and sig == signal.SIGKILL and cr.stopping():
-            # SIGKILL wins over a checkpoint in progress: abort it (nothing of it is
-            # ever committed), thaw what CRIU froze, then kill.
+        if cr is not None and sig == signal.SIGKILL and cr.stopping() and self.init.exit is None:
+            # SIGKILL wins over a checkpoint still dumping: abort it (nothing of it is
+            # ever committed), thaw what CRIU froze, then kill. Once CRIU has written
+            # the images the process is gone and the rest of the checkpoint (its files,
+            # the commit) goes on: a kill then has nothing left to stop.
             await cr.abort_stop()
             with contextlib.suppress(ShimError):
                 await self.runc.resume(self.id)
@@ -547,6 +586,22 @@ class Container:
                 cr.begin_stop(self.target(), sig, self._kill_after_failed_checkpoint)
                 return
             await self.runc.kill(self.id, sig, all=all_processes)
+
+    async def _abandon_restore(self, sig: int) -> None:
+        """A signal for a container still being restored: stop restoring, never run it.
+
+        The Start in flight holds the process lock for the whole restore (which can
+        take minutes), so waiting for the lock would keep a pod from being deleted.
+        """
+        restoring = self.restoring
+        assert restoring is not None
+        self.restore_killed = sig
+        restoring.cancel()  # the runc driver terminates runc (and CRIU) and reaps them
+        await asyncio.wait([restoring])
+        with contextlib.suppress(ShimError):
+            await self.runc.delete(self.id, force=True)
+        log.warning("restore abandoned", extra={"container": self.id, "signal": sig})
+        self.abandoned_exit = ExitInfo(128 + sig, time.time())
 
     async def _kill_after_failed_checkpoint(self, sig: int) -> None:
         with contextlib.suppress(NotFound):
@@ -671,6 +726,13 @@ class Container:
         if self.rootfs_mounted:
             await asyncio.to_thread(unmount_all, os.path.join(self.bundle, "rootfs"))
             self.rootfs_mounted = False
+        if self.cr is not None:
+            # A CRIU killed mid-restore leaves its cgroup yard mounted in the work dir,
+            # and containerd cannot remove a bundle with mounts in it.
+            with contextlib.suppress(OSError, ShimError):
+                await asyncio.to_thread(
+                    unmount_all, os.path.realpath(os.path.join(self.bundle, "work"))
+                )
 
     async def _cleanup_failed_create(self) -> None:
         with contextlib.suppress(Exception):

@@ -281,7 +281,14 @@ class TaskService:
         return Empty()
 
     async def kill(self, req: pb.KillRequest, _: CallContext) -> Empty:
-        await self.container(req.id).kill(req.exec_id, req.signal, req.all)
+        container = self.container(req.id)
+        await container.kill(req.exec_id, req.signal, req.all)
+        abandoned, container.abandoned_exit = container.abandoned_exit, None
+        if abandoned is not None:
+            # No process ever ran: the exit is the signal's, reported here.
+            async with container.init.lock:
+                if container.init.set_exited(abandoned.status, abandoned.timestamp):
+                    self._publish_exit(container.init)
         return Empty()
 
     async def exec(self, req: pb.ExecProcessRequest, _: CallContext) -> Empty:
