@@ -828,12 +828,19 @@ def test_failed_restore_falls_back_at_start(
 
 
 def _restoring_criu(cid: str) -> set[int]:
-    """CRIU restore processes (and the tasks they are recreating) for this container."""
-    found = set()
-    for p in procs.list_processes():
-        if p.argv and p.argv[0].startswith("criu") and cid in " ".join(p.argv):
-            found.add(p.pid)
-    return found
+    """CRIU restore processes (and the tasks they are recreating) for this container.
+
+    Found below the `runc restore` of this container: CRIU's own command line names
+    only the image directory, which may be the store's cache rather than the bundle.
+    """
+    listing = procs.list_processes()
+    runcs = {p.pid for p in listing if "restore" in p.argv and p.argv and p.argv[-1] == cid}
+    below = procs.descendants(runcs, listing)
+    return {
+        p.pid
+        for p in listing
+        if p.argv and p.argv[0].startswith("criu") and (p.pid in below or cid in " ".join(p.argv))
+    }
 
 
 def test_sigkill_wins_over_a_restore_in_progress(

@@ -48,9 +48,11 @@ def restore_options(config: NodeConfig, *, keep_tcp: bool, gate: str = "") -> li
 
 GATE_TEMPLATE = """#!/bin/sh
 # Written by cedana-shim for one restore: CRIU runs it at each restore step; at
-# pre-resume it waits for the shim's verdict on the images CRIU restored from,
-# and a bad one aborts the restore before any restored task runs again.
-[ "$CRTOOLS_SCRIPT_ACTION" = "pre-resume" ] || exit 0
+# post-restore (everything restored, nothing resumed yet) it waits for the shim's
+# verdict on the images CRIU read, and a bad one makes CRIU abort the restore and
+# kill the restored tasks before any of them runs again. (A failing pre-resume
+# script is only logged by CRIU, so the gate cannot sit there.)
+[ "$CRTOOLS_SCRIPT_ACTION" = "post-restore" ] || exit 0
 i=0
 while [ ! -e '{verdict}' ]; do
   i=$((i + 1))
@@ -62,7 +64,7 @@ done
 
 
 def write_gate(directory: str, timeout: float) -> tuple[str, str]:
-    """A CRIU action script that blocks pre-resume until ``verdict`` says ok.
+    """A CRIU action script that blocks post-restore until ``verdict`` says ok.
 
     Returns (script path, verdict path); write "ok" (or anything else) to the
     verdict file with :func:`give_verdict`.

@@ -596,8 +596,14 @@ class Container:
         restoring = self.restoring
         assert restoring is not None
         self.restore_killed = sig
-        restoring.cancel()  # the runc driver terminates runc (and CRIU) and reaps them
-        await asyncio.wait([restoring])
+        # The runc driver terminates runc (and with it CRIU) and reaps them; no grace
+        # period: the container is being killed, not asked to stop.
+        grace, self.runc.kill_grace = self.runc.kill_grace, 0.0
+        try:
+            restoring.cancel()
+            await asyncio.wait([restoring])
+        finally:
+            self.runc.kill_grace = grace
         with contextlib.suppress(ShimError):
             await self.runc.delete(self.id, force=True)
         log.warning("restore abandoned", extra={"container": self.id, "signal": sig})
