@@ -1,9 +1,10 @@
-"""A minimal protobuf writer for the shim's short-lived commands.
+"""A minimal protobuf writer for messages too small to justify the runtime.
 
 ``delete`` runs once per container and must print a DeleteResponse; importing
-the protobuf runtime would triple its start-up time. The few scalar fields it
-needs are encoded here by hand; tests check every encoding against the
-generated classes.
+the protobuf runtime would triple its start-up time. The few fields it needs
+are encoded here by hand (the integration tests reuse it for the containerd
+requests whose services have no generated bindings); tests check the
+encodings against the generated classes.
 """
 
 from __future__ import annotations

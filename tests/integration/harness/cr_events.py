@@ -28,6 +28,7 @@ import grpc
 from cedana_shim.api.cedana.v1 import cedana_pb2 as cedana_ev
 from cedana_shim.api.containerd.events import task_pb2 as task_ev
 from cedana_shim.api.containerd.services.ttrpc_events_pb2 import Envelope
+from cedana_shim.wire import bytes_field
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
@@ -50,22 +51,6 @@ _DECODERS: dict[str, type[Message]] = {
     "/tasks/create": task_ev.TaskCreate,
     "/tasks/delete": task_ev.TaskDelete,
 }
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
 @dataclass(frozen=True)
@@ -130,7 +115,7 @@ class EventStream:
         )
         event = any_pb2.Any(type_url=f"cedana-itest.Sync/{token}", value=b"")
         publish(
-            _field(1, _SYNC_TOPIC.encode()) + _field(2, event.SerializeToString()),
+            bytes_field(1, _SYNC_TOPIC.encode()) + bytes_field(2, event.SerializeToString()),
             metadata=[("containerd-namespace", "default")],
             timeout=10,
         )

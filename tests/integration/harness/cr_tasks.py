@@ -20,16 +20,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import grpc
-
-from .tasks_api import _length_delimited, _varint
+from cedana_shim.wire import bytes_field, varint_field
 
 
 def encode_kill_request(container_id: str, signal: int, *, all_processes: bool = False) -> bytes:
-    out = _length_delimited(1, container_id.encode())
-    out += _varint(3 << 3 | 0) + _varint(signal)
-    if all_processes:
-        out += _varint(4 << 3 | 0) + _varint(1)
-    return out
+    return (
+        bytes_field(1, container_id.encode())
+        + varint_field(3, signal)
+        + varint_field(4, int(all_processes))
+    )
 
 
 class TaskKiller:

@@ -22,35 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cedana_shim.wire import bytes_field
 from google.protobuf import any_pb2
 
 # How containerd's typeurl registry names OCI spec types; their payload is JSON.
 LINUX_RESOURCES_URL = "types.containerd.io/opencontainers/runtime-spec/1/LinuxResources"
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _length_delimited(field: int, payload: bytes) -> bytes:
-    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
-
-
 def encode_update_task_request(container_id: str, linux_resources: dict[str, Any]) -> bytes:
     resources = any_pb2.Any(
         type_url=LINUX_RESOURCES_URL, value=json.dumps(linux_resources).encode()
     )
-    return _length_delimited(1, container_id.encode()) + _length_delimited(
-        2, resources.SerializeToString()
-    )
+    return bytes_field(1, container_id.encode()) + bytes_field(2, resources.SerializeToString())
 
 
 def update_task(socket: Path, namespace: str, container_id: str, resources: dict[str, Any]) -> None:
