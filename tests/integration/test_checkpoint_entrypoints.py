@@ -1,0 +1,77 @@
+"""The other ways into the checkpoint pipeline, and a label that must be refused.
+
+- `ctr task checkpoint` (the Task API's Checkpoint) of an opted-in container goes
+  through cedana's pipeline: the checkpoint lands in the node's store (reason
+  "task-api") and containerd still gets its images (a checkpoint image it can list);
+- an invalid label fails the container's creation with a message naming the label
+  and the rule: an opted-in workload never runs silently without protection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from cedana_shim.checkpoint.store import Store, StoreConfig
+
+from .harness.config import Runtime
+from .harness.containerd import Containerd
+from .harness.ctr import Ctr
+from .harness.util import wait_for
+
+NewId = Callable[[str], str]
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done"
+
+
+@pytest.fixture(autouse=True)
+def _cedana_only(runtime: Runtime) -> None:
+    if runtime.handler != "cedana":
+        pytest.fail(
+            "these tests are about the cedana shim: run them with CEDANA_TEST_RUNTIME=cedana"
+        )
+
+
+def _entries(containerd: Containerd, label: str) -> list[dict[str, object]]:
+    store = Store(StoreConfig(root=str(containerd.store)))
+    return [dict(e.metadata) for e in store.list(label=label)]
+
+
+def test_task_api_checkpoint_lands_in_the_store(
+    containerd: Containerd, ctr: Ctr, new_id: NewId, runtime: Runtime
+) -> None:
+    cid = new_id("taskapi")
+    flags = ("--runtime", runtime.runtime_type, "--env", "CEDANA_ENABLE=1")
+    with ctr.detached(containerd.images.busybox, cid, "sh", "-c", COUNTER, flags=flags):
+        ctr("task", "checkpoint", cid, timeout=120)
+        # CEDANA_ENABLE without a label: checkpoints land under the container's name.
+        entries = wait_for(lambda: _entries(containerd, cid) or None, timeout=60,
+                           what="the checkpoint in the store")  # fmt: skip
+        assert entries[0]["reason"] == "task-api"
+        assert entries[0]["containerId"] == cid
+        # containerd archived the images the shim mirrored into its checkpoint path.
+        images = ctr("images", "ls", "-q").stdout.split()
+        assert any(cid in name for name in images), images
+        # The task kept running (ctr resumes it after the checkpoint).
+        assert ctr.task(cid) is not None and ctr.task(cid).status == "RUNNING"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "label, rule", [("team/a", "path separator"), ("a..b", "'..'"), ("", "empty")]
+)
+def test_invalid_label_fails_the_create(
+    containerd: Containerd, ctr: Ctr, new_id: NewId, runtime: Runtime, label: str, rule: str
+) -> None:
+    cid = new_id("badlabel")
+    try:
+        proc = ctr(
+            *ctr.run_args(
+                containerd.images.busybox, cid, "true",
+                flags=("--runtime", runtime.runtime_type, "--env", f"CEDANA_CHECKPOINT={label}"),
+            ),
+            check=False,
+        )  # fmt: skip
+        assert proc.returncode != 0, "a container with an invalid label ran"
+        assert repr(label) in proc.stderr and rule in proc.stderr, proc.stderr
+        assert ctr.task(cid) is None
+    finally:
+        ctr.remove(cid)
