@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 from cedana_shim.checkpoint.store import Store, StoreConfig
 
-from .harness.config import Runtime
+from .harness.config import CEDANA
 from .harness.containerd import Containerd
 from .harness.ctr import Ctr
 from .harness.util import wait_for
@@ -23,25 +23,27 @@ NewId = Callable[[str], str]
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done"
 
 
-@pytest.fixture(autouse=True)
-def _cedana_only(runtime: Runtime) -> None:
-    if runtime.handler != "cedana":
-        pytest.fail(
-            "these tests are about the cedana shim: run them with CEDANA_TEST_RUNTIME=cedana"
-        )
-
-
 def _entries(containerd: Containerd, label: str) -> list[dict[str, object]]:
     store = Store(StoreConfig(root=str(containerd.store)))
     return [dict(e.metadata) for e in store.list(label=label)]
 
 
+def _cedana_run(ctr: Ctr, image: str, cid: str, *cmd: str, env: str) -> list[str]:
+    """`ctr run` under the cedana shim whatever CEDANA_TEST_RUNTIME says: these are
+    features of this shim only."""
+    args = ctr.run_args(image, cid, *cmd, flags=("-d", "--env", env))
+    args[args.index("--runtime") + 1] = CEDANA.runtime_type
+    return args
+
+
 def test_task_api_checkpoint_lands_in_the_store(
-    containerd: Containerd, ctr: Ctr, new_id: NewId, runtime: Runtime
+    containerd: Containerd, ctr: Ctr, new_id: NewId
 ) -> None:
     cid = new_id("taskapi")
-    flags = ("--runtime", runtime.runtime_type, "--env", "CEDANA_ENABLE=1")
-    with ctr.detached(containerd.images.busybox, cid, "sh", "-c", COUNTER, flags=flags):
+    try:
+        ctr(*_cedana_run(ctr, containerd.images.busybox, cid, "sh", "-c", COUNTER,
+                         env="CEDANA_ENABLE=1"))  # fmt: skip
+        ctr.wait_status(cid, "RUNNING")
         ctr("task", "checkpoint", cid, timeout=120)
         # CEDANA_ENABLE without a label: checkpoints land under the container's name.
         entries = wait_for(lambda: _entries(containerd, cid) or None, timeout=60,
@@ -52,24 +54,24 @@ def test_task_api_checkpoint_lands_in_the_store(
         images = ctr("images", "ls", "-q").stdout.split()
         assert any(cid in name for name in images), images
         # The task kept running (ctr resumes it after the checkpoint).
-        assert ctr.task(cid) is not None and ctr.task(cid).status == "RUNNING"  # type: ignore[union-attr]
+        row = ctr.task(cid)
+        assert row is not None and row.status == "RUNNING", row
+    finally:
+        ctr.remove(cid)
 
 
 @pytest.mark.parametrize(
     "label, rule", [("team/a", "path separator"), ("a..b", "'..'"), ("", "empty")]
 )
 def test_invalid_label_fails_the_create(
-    containerd: Containerd, ctr: Ctr, new_id: NewId, runtime: Runtime, label: str, rule: str
+    containerd: Containerd, ctr: Ctr, new_id: NewId, label: str, rule: str
 ) -> None:
     cid = new_id("badlabel")
     try:
-        proc = ctr(
-            *ctr.run_args(
-                containerd.images.busybox, cid, "true",
-                flags=("--runtime", runtime.runtime_type, "--env", f"CEDANA_CHECKPOINT={label}"),
-            ),
-            check=False,
-        )  # fmt: skip
+        args = _cedana_run(
+            ctr, containerd.images.busybox, cid, "true", env=f"CEDANA_CHECKPOINT={label}"
+        )
+        proc = ctr(*args, check=False)
         assert proc.returncode != 0, "a container with an invalid label ran"
         assert repr(label) in proc.stderr and rule in proc.stderr, proc.stderr
         assert ctr.task(cid) is None

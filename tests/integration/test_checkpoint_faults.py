@@ -143,6 +143,19 @@ def _wait_gone(pid: int, what: str, timeout: float = 30) -> None:
 # -- SIGKILL during the checkpoint-on-stop --------------------------------------------------
 
 
+def _second_incarnation(
+    c: Containerd, w: Workloads, events: EventStream, ticks: int = 4
+) -> tuple[Event, Counter, Box, int]:
+    """Container "a" checkpointed on stop, then "b" restored from it and counting:
+    (a's checkpoint, a's last count, b, b's shim pid): the stage every fault below
+    interrupts."""
+    good, counted = _stop_with_checkpoint(w, w.start("a"), events)
+    b = w.start("b")
+    _restored_from(events, b, good.checkpoint_id)
+    wait_ticks(b.lines, count=ticks)
+    return good, counted, b, _shim_pid(c, b)
+
+
 def test_sigkill_while_the_stop_checkpoint_dumps(
     fresh_containerd: Containerd, new_id: NewId
 ) -> None:
@@ -157,11 +170,7 @@ def test_sigkill_while_the_stop_checkpoint_dumps(
         Workloads(c, new_id, label=_label("kill"), script=script, namespace=CTR_NAMESPACE) as w,
         TaskKiller(c.socket, CTR_NAMESPACE) as tasks,
     ):
-        good, counted = _stop_with_checkpoint(w, w.start("a"), events)
-        b = w.start("b")
-        _restored_from(events, b, good.checkpoint_id)
-        wait_ticks(b.lines, count=4)
-        shim = _shim_pid(c, b)
+        good, counted, b, shim = _second_incarnation(c, w, events)
         init = w.pid(b)
 
         tasks.kill(b.cid, signal.SIGTERM)
@@ -204,11 +213,7 @@ def test_shim_killed_during_the_dump(fresh_containerd: Containerd, new_id: NewId
         Workloads(c, new_id, label=_label("shimdump"), script=script, namespace=CTR_NAMESPACE) as w,
         TaskKiller(c.socket, CTR_NAMESPACE) as tasks,
     ):
-        good, counted = _stop_with_checkpoint(w, w.start("a"), events)
-        b = w.start("b")
-        _restored_from(events, b, good.checkpoint_id)
-        wait_ticks(b.lines, count=4)
-        shim = _shim_pid(c, b)
+        good, counted, b, shim = _second_incarnation(c, w, events)
         init = w.pid(b)
 
         tasks.kill(b.cid, signal.SIGTERM)
@@ -249,11 +254,7 @@ def test_shim_killed_while_the_commit_compresses(
         ) as w,
         TaskKiller(c.socket, CTR_NAMESPACE) as tasks,
     ):
-        good, counted = _stop_with_checkpoint(w, w.start("a"), events)
-        b = w.start("b")
-        _restored_from(events, b, good.checkpoint_id)
-        wait_ticks(b.lines, count=3)
-        shim = _shim_pid(c, b)
+        good, counted, b, shim = _second_incarnation(c, w, events, ticks=3)
 
         tasks.kill(b.cid, signal.SIGTERM)
         exited = events.wait_topic(TOPIC_EXIT, b.cid, timeout=30)
@@ -310,11 +311,7 @@ def test_criu_killed_during_the_dump(fresh_containerd: Containerd, new_id: NewId
         Workloads(c, new_id, label=_label("criu"), script=script, namespace=CTR_NAMESPACE) as w,
         TaskKiller(c.socket, CTR_NAMESPACE) as tasks,
     ):
-        good, counted = _stop_with_checkpoint(w, w.start("a"), events)
-        b = w.start("b")
-        _restored_from(events, b, good.checkpoint_id)
-        wait_ticks(b.lines, count=4)
-        shim = _shim_pid(c, b)
+        good, counted, b, shim = _second_incarnation(c, w, events)
 
         tasks.kill(b.cid, signal.SIGTERM)
         kill_all(wait_criu(shim))

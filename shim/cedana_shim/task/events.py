@@ -4,7 +4,7 @@ The service hands events to an :class:`EventSender`; it never waits for
 delivery and never fails because of it. :class:`Publisher` is the production
 sender: one queue, one forwarder task, ttrpc ``Events/Forward`` to
 ``$TTRPC_ADDRESS`` (containerd >= 1.3), reconnecting and retrying each event a
-bounded number of times before logging it as lost. Tests collect into a list.
+bounded number of times before logging it as lost.
 """
 
 from __future__ import annotations
@@ -128,13 +128,3 @@ class Publisher:
                     return
                 # Back off over ~4 s: long enough to ride out a containerd restart.
                 await asyncio.sleep(0.25 * 2 ** (attempt - 1))
-
-
-class CollectingSender:
-    """An EventSender that keeps events in a list, for tests."""
-
-    def __init__(self) -> None:
-        self.events: list[Message] = []
-
-    def send(self, event: Message) -> None:
-        self.events.append(event)
