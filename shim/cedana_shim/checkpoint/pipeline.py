@@ -146,13 +146,19 @@ class Pipeline:
         checkpoint path, which containerd archives itself).
         """
         started = time.monotonic()
-        metadata = await self._metadata(target, reason)
-        ingest = await asyncio.to_thread(
-            self.store.begin,
-            scope=target.policy.scope,
-            label=target.policy.label,
-            metadata=metadata,
-        )
+        # Network facts and tool versions are gathered while CRIU dumps, not before:
+        # pyroute2's import and two `--version` runs would otherwise delay the stop.
+        context = asyncio.get_running_loop().create_task(self._context(target))
+        try:
+            ingest = await asyncio.to_thread(
+                self.store.begin,
+                scope=target.policy.scope,
+                label=target.policy.label,
+                metadata=self._metadata(target, reason),
+            )
+        except BaseException:
+            await _settle(context)
+            raise
         paused = False
         criu_dir = ingest.dir(CRIU_LAYER)
         # CRIU's work dir (its log) off the store's disk: when the store fills up, the
@@ -191,6 +197,7 @@ class Pipeline:
                 ),
             )
             dumped = time.monotonic()
+            ingest.set_metadata(**await context)
             await asyncio.to_thread(self._capture_files, target, ingest)
             if paused:
                 paused = False
@@ -215,6 +222,7 @@ class Pipeline:
             )
             return ingest
         except BaseException:
+            await _settle(context)
             if paused:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(target.runc.resume(target.container_id))
@@ -272,15 +280,8 @@ class Pipeline:
                 await asyncio.shield(asyncio.to_thread(self.store.abort, ingest))
             raise
 
-    async def _metadata(self, target: Target, reason: str) -> dict[str, Any]:
+    def _metadata(self, target: Target, reason: str) -> dict[str, Any]:
         policy = target.policy
-        try:
-            network: Any = await asyncio.to_thread(network_facts, f"/proc/{target.pid}/ns/net")
-        except Exception as err:
-            log.warning(
-                "no network facts", extra={"container": target.container_id, "error": str(err)}
-            )
-            network = {}
         return {
             "metadataVersion": METADATA_VERSION,
             "reason": reason,
@@ -291,11 +292,32 @@ class Pipeline:
             "container": policy.container,
             "image": policy.image,
             "node": platform.node(),
-            "versions": await self.versions.get(target.runc),
-            "network": network,
             "terminal": target.terminal,
             "mounts": [str(m.get("destination")) for m in spec_mounts(target.spec)],
         }
+
+    async def _context(self, target: Target) -> dict[str, Any]:
+        """The pod's network facts and the tool versions; never fails a checkpoint."""
+        # Started before the dump: the thread pins the namespace (it opens
+        # /proc/PID/ns/net first) before CRIU ends the process.
+        facts = asyncio.ensure_future(
+            asyncio.to_thread(network_facts, f"/proc/{target.pid}/ns/net")
+        )
+        versions = await self.versions.get(target.runc)
+        try:
+            network: Any = await facts
+        except Exception as err:
+            log.warning(
+                "no network facts", extra={"container": target.container_id, "error": str(err)}
+            )
+            network = {}
+        return {"versions": versions, "network": network}
+
+
+async def _settle(task: asyncio.Task[Any]) -> None:
+    """Let a helper task finish (or fail) before its caller unwinds."""
+    with contextlib.suppress(BaseException):
+        await asyncio.shield(task)
 
 
 def _store_full(root: str) -> str:

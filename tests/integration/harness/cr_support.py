@@ -254,11 +254,14 @@ def tree_bytes(path: Path) -> int:
 
 
 def criu_pids(shim_pid: int) -> set[int]:
-    """CRIU processes working for this shim (shim -> runc -> criu)."""
+    """CRIU processes working for this shim (shim -> runc -> criu): the `criu swrk`
+    runc drives, not the shim's own `criu --version` (recorded in checkpoints)."""
     return {
         pid
         for pid in procs.descendants({shim_pid})
-        if (argv := procs.read_argv(pid)) and os.path.basename(argv[0]) == "criu"
+        if (argv := procs.read_argv(pid))
+        and os.path.basename(argv[0]) == "criu"
+        and "--version" not in argv
     }
 
 
