@@ -1,6 +1,7 @@
 # Entry points for developers and CI. `make test` is the full gate (README's test
 # command): node dependencies, venv, static checks, unit and integration tests.
-# The integration suite needs root, and drives real containerd/runc/CRIU.
+# The integration suite needs root, and drives real containerd/runc/CRIU; the unit
+# suite needs neither.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -40,12 +41,17 @@ check:
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/mypy tests/integration
+	$(BIN)/lint-imports --no-cache
 
+# Runs as any user: tests that need root live in tests/privileged.
+# Root-free; one worker per core (the task tests wait on real processes).
 unit:
-	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
+	$(BIN)/pytest tests/unit -n auto $(PYTEST_ARGS)
 
+# Root: tests/privileged (real mounts, cgroups, namespaces, runc and CRIU driven
+# directly) and tests/integration (containerd).
 integration:
-	$(BIN)/pytest tests/integration $(PYTEST_ARGS)
+	$(BIN)/pytest tests/privileged tests/integration $(PYTEST_ARGS)
 
 # Sequential on purpose, even under `make -j`: each step needs the previous one.
 test:

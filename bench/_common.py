@@ -268,6 +268,17 @@ class Cleanup:
             signal.signal(signal.SIGINT, previous)
 
 
+def is_fork_server(pid: int) -> bool:
+    """A cedana fork server (the template daemons are forked from), by its process
+    name (`ps` shows it as `containerd-shim-cedana-v2 template`)."""
+    from cedana_shim.cli.forkserver import TEMPLATE_NAME
+
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == TEMPLATE_NAME
+    except OSError:
+        return False
+
+
 def marked_processes(marker: str) -> set[int]:
     """Processes whose environment carries MARKER_ENV=marker (shims, fork servers)."""
     needle = f"{MARKER_ENV}={marker}".encode()

@@ -29,6 +29,7 @@ from _common import (
     base_parser,
     ensure_venv,
     install_signal_handlers,
+    is_fork_server,
     print_table,
     private_containerd,
     ratio,
@@ -114,7 +115,7 @@ def measure_pod(b: Any, handler: str, run: int) -> dict[str, Any]:
             parents = {pid: ppid_of(pid) for pid in daemons}
             forkserver: dict[str, Any] | None = None
             for parent in set(parents.values()):
-                if "cedana_shim.cli.forkserver" in cmdline(parent):
+                if is_fork_server(parent):
                     fm = smaps_rollup(parent)
                     forkserver = {"pid": parent, "rss": fm.rss, "pss": fm.pss, "uss": fm.uss}
             return {

@@ -23,6 +23,7 @@ from _common import (
     base_parser,
     ensure_venv,
     install_signal_handlers,
+    is_fork_server,
     marked_processes,
     print_table,
     private_containerd,
@@ -39,15 +40,7 @@ RUNTIMES = {"cedana": "io.containerd.cedana.v2", "runc": "io.containerd.runc.v2"
 
 def forkservers(marker: str) -> set[int]:
     """The cedana fork servers this run's shims started (found by the env marker)."""
-    found = set()
-    for pid in marked_processes(marker):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"cedana_shim.cli.forkserver" in argv:
-            found.add(pid)
-    return found
+    return {pid for pid in marked_processes(marker) if is_fork_server(pid)}
 
 
 def main() -> int:

@@ -1,10 +1,15 @@
 """What the daemon records in a bundle for the ``delete`` command to find.
 
 ``delete`` runs as a fresh process that must not ask the daemon anything, so
-the daemon writes the facts it needs (how to call runc for this container) into
-``<bundle>/cedana-runc`` at Create: one ``key=value`` per line, read without
-importing ``json`` on that hot path. A bundle without it (Create never got that
-far) falls back to containerd's runc defaults.
+the daemon writes the facts it needs into the bundle, in files read without
+importing ``json`` on that hot path:
+
+- ``cedana-runc`` (at Create): how to call runc for this container, one
+  ``key=value`` per line. A bundle without it (Create never got that far) falls
+  back to containerd's runc defaults.
+- ``cedana-deleted``: the daemon deleted the container itself; nothing is left.
+- ``cedana-restoring`` (while ``runc restore`` runs): its process group, which
+  ``delete`` kills if the daemon died mid-restore.
 """
 
 from __future__ import annotations
@@ -81,3 +86,71 @@ def read_deleted(bundle: str) -> tuple[int, int, float] | None:
         return int(pid), int(status), float(when)
     except (OSError, ValueError):
         return None
+
+
+RESTORING_MARK = "cedana-restoring"
+CRIU_ROOT = "criu-root"
+
+
+def criu_root(runc_root: str, container_id: str) -> str:
+    """Where ``runc restore`` binds the container's rootfs for CRIU, in runc's state
+    dir; a runc killed mid-restore leaves it mounted."""
+    return os.path.join(runc_root, container_id, CRIU_ROOT)
+
+
+def mark_restoring(bundle: str, pgid: int, leader_start: int) -> None:
+    """A ``runc restore`` runs in process group ``pgid``, led by the process that
+    started at ``leader_start`` (clock ticks after boot, /proc/<pid>/stat field 22).
+
+    If the daemon dies, runc and CRIU go on restoring outside containerd; ``delete``
+    reads this to stop them. The start time keeps a reused pid from being killed.
+    """
+    tmp = os.path.join(bundle, f".{RESTORING_MARK}.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{pgid} {leader_start}\n")
+    os.rename(tmp, os.path.join(bundle, RESTORING_MARK))
+
+
+def read_restoring(bundle: str) -> tuple[int, int] | None:
+    """(pgid, leader start time) of a restore in flight, as :func:`mark_restoring` wrote."""
+    try:
+        with open(os.path.join(bundle, RESTORING_MARK)) as f:
+            pgid, start = f.read().split()
+        return int(pgid), int(start)
+    except (OSError, ValueError):
+        return None
+
+
+def clear_restoring(bundle: str) -> None:
+    try:
+        os.unlink(os.path.join(bundle, RESTORING_MARK))
+    except FileNotFoundError:
+        return  # contextlib.suppress would cost delete an import
+
+
+STOPPING_MARK = "cedana-stopping"
+
+
+def mark_stopping(bundle: str, signal: int) -> None:
+    """A stop signal is being turned into a checkpoint: the container is frozen until
+    the checkpoint is durable. If the daemon dies meanwhile, ``delete`` reads this,
+    thaws the container and delivers ``signal``, as would have happened without us."""
+    tmp = os.path.join(bundle, f".{STOPPING_MARK}.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{signal}\n")
+    os.rename(tmp, os.path.join(bundle, STOPPING_MARK))
+
+
+def read_stopping(bundle: str) -> int | None:
+    try:
+        with open(os.path.join(bundle, STOPPING_MARK)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def clear_stopping(bundle: str) -> None:
+    try:
+        os.unlink(os.path.join(bundle, STOPPING_MARK))
+    except FileNotFoundError:
+        return

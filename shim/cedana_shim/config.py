@@ -10,6 +10,7 @@ errors: a typo must not silently change where process memory is written.
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from typing import Any
 from .errors import InvalidArgument
 
 DEFAULT_PATH = "/etc/cedana/shim.toml"
+MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: anything longer is a typo, not a timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +36,9 @@ class NodeConfig:
     checkpoint_interval: str = ""
     checkpoint_timeout: float = 600.0  # seconds a checkpoint (GPU + CRIU + commit) may take
     restore_timeout: float = 600.0
+    # How long a restore waits for a checkpoint of its label that is still being
+    # written (a stop in flight on this node) before it picks from what is committed.
+    label_wait_timeout: float = 120.0
     tcp_established: bool = True  # dump established TCP connections (restored when the IP is kept)
     file_locks: bool = True
     criu_config_extra: str = ""  # lines appended to the CRIU config file runc reads
@@ -42,6 +47,9 @@ class NodeConfig:
     gpu_backend: str = "auto"  # auto | driver-api | cuda-checkpoint
     cuda_checkpoint_path: str = ""  # default: cuda-checkpoint on PATH
     gpu_lock_timeout_ms: int = 10000  # how long a CUDA lock waits for submitted work
+    # The shim's own log, beside containerd's: containerd stops reading a shim's log
+    # once its last task is deleted, and later lines (compaction) would be lost.
+    log_file: str = "/var/log/cedana/shim.log"
 
 
 def _coerce(name: str, kind: type, value: Any, source: str) -> Any:
@@ -109,4 +117,11 @@ def load_node_config(path: str | None = None, env: Mapping[str, str] | None = No
         )
     if config.retain < 1:
         raise InvalidArgument(f"retain {config.retain} must keep at least one checkpoint")
+    for name in ("checkpoint_timeout", "restore_timeout", "label_wait_timeout"):
+        seconds = getattr(config, name)
+        if not math.isfinite(seconds) or not 0 <= seconds <= MAX_TIMEOUT:
+            raise InvalidArgument(
+                f"cedana node config {file}: {name} = {seconds!r} must be a number of "
+                f"seconds between 0 and {MAX_TIMEOUT:g}"
+            )
     return config

@@ -1,10 +1,23 @@
-"""Structured logs, one JSON object a line, to containerd's log FIFO.
+"""Structured logs, one JSON object a line, to containerd's log FIFO and the node's log file.
 
 containerd creates ``<bundle>/log`` as a FIFO before it runs the shim and copies
 whatever arrives there into its own log. The daemon opens it write-only and
-sends every record there; a vanished reader must never hurt the shim, so write
-errors are swallowed (``BrokenPipeError`` included) and the record is dropped.
-Structured fields ride on ``extra=``: ``log.info("created", extra={"container": id})``.
+sends every record there. Structured fields ride on ``extra=``:
+``log.info("created", extra={"container": id})``.
+
+The FIFO must never stall the daemon: containerd keeps it open but stops reading
+it once the shim's last task is deleted, and a blocking write would then hang the
+daemon (background work such as a checkpoint's compaction goes on logging) as
+soon as the 64 KiB pipe buffer is full. So it is written without blocking
+(:class:`FdHandler`): a record waits at most ``FIFO_WAIT`` for room, and while
+the pipe stays full records are dropped at once, until containerd reads again.
+A vanished reader is the same: the record is dropped.
+
+Those late records are exactly the ones worth keeping, so the daemon also writes
+every record to the node's shim log file (:func:`add_node_log`, node config
+``log_file``): one ``write(2)`` with ``O_APPEND`` per record, so the lines of the
+daemons sharing the file never interleave, and a size cap with rotation
+(:class:`NodeLogHandler`).
 """
 
 from __future__ import annotations
@@ -12,11 +25,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import time
 from typing import Any
 
 # LogRecord attributes that are not user fields.
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+# How long one record may wait for containerd to make room in the FIFO. containerd
+# copies the FIFO continuously: a pipe still full after this is not being read.
+FIFO_WAIT = 0.2
+LOG_FILE_LIMIT = 10 << 20  # bytes in the live file before it is rotated
+LOG_FILE_GENERATIONS = 3  # rotated files kept: <file>.1 (newest) .. <file>.3
 
 
 class JsonFormatter(logging.Formatter):
@@ -42,44 +61,194 @@ class JsonFormatter(logging.Formatter):
 
 
 class FdHandler(logging.Handler):
-    """Writes each record with one ``write(2)`` so lines never interleave."""
+    """Writes each record to a pipe (or any fd) without ever blocking for long.
 
-    def __init__(self, fd: int) -> None:
+    The fd is made non-blocking. A record up to PIPE_BUF (4 KiB) bytes is written
+    whole or not at all; a longer one can find the pipe full half-way, and is then
+    cut if the pipe stays full (containerd shows one broken line: better than a
+    daemon that hangs). ``stalled``: the last record found no room in time; the
+    next ones are tried once, without waiting, until one gets through.
+    """
+
+    def __init__(self, fd: int, wait: float = FIFO_WAIT) -> None:
         super().__init__()
         self.fd = fd
+        self.wait = wait
+        self.stalled = False
+        os.set_blocking(fd, False)
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLOUT)
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             data = (self.format(record) + "\n").encode()
-            os.write(self.fd, data)
+            self.stalled = not self._write(data)
         except (OSError, ValueError):
             pass  # a reader that went away must not take the shim with it
 
+    def _write(self, data: bytes) -> bool:
+        """False when the pipe had no room in time (the rest of ``data`` is dropped)."""
+        deadline = time.monotonic() + (0.0 if self.stalled else self.wait)
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self.fd, view) :]
+                continue
+            except BlockingIOError:
+                pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._poll.poll(max(1, int(remaining * 1000))):
+                return False
+        return True
+
+
+class NodeLogHandler(logging.Handler):
+    """Appends each record to the node's shim log file, which rotates at a size cap.
+
+    Several daemons append to the same file; each write is one ``write(2)`` on an
+    ``O_APPEND`` fd, so lines never interleave. Before each write the handler checks
+    that its fd is still the live file and that the record fits under ``limit``.
+    Rotation (``<file>`` -> ``.1`` -> ... -> ``.<generations>``, the oldest dropped) is
+    done under an exclusive ``flock`` of the live file: a daemon that finds the file
+    over the cap while another rotates it waits for the lock, sees that the path now
+    names a new file, and only reopens. A daemon still holding the old file writes at
+    most the record in flight there (it then sits in ``.1``, in order).
+    """
+
+    def __init__(
+        self, path: str, limit: int = LOG_FILE_LIMIT, generations: int = LOG_FILE_GENERATIONS
+    ) -> None:
+        super().__init__()
+        self.path = path
+        self.limit = limit
+        self.generations = generations
+        self.fd = self._open()
+
+    def _open(self) -> int:
+        directory = os.path.dirname(self.path)
+        if directory:
+            try:
+                os.makedirs(directory, mode=0o700)
+                os.chmod(directory, 0o700)  # exactly: whatever the umask
+            except FileExistsError:
+                pass  # an existing directory keeps its owner's choice
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags | os.O_EXCL, 0o600)
+            os.fchmod(fd, 0o600)
+        except FileExistsError:
+            fd = os.open(self.path, flags)
+        return fd
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            data = (self.format(record) + "\n").encode()
+            mine = os.fstat(self.fd)
+            if mine.st_size + len(data) > self.limit or not self._is_live(mine):
+                self._rotate_or_reopen()
+            os.write(self.fd, data)
+        except (OSError, ValueError):
+            pass  # a full or broken disk must not take the shim with it
+
+    def _is_live(self, mine: os.stat_result) -> bool:
+        try:
+            live = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (live.st_ino, live.st_dev) == (mine.st_ino, mine.st_dev)
+
+    def _rotate_or_reopen(self) -> None:
+        import fcntl
+
+        old = self.fd
+        fcntl.flock(old, fcntl.LOCK_EX)
+        try:
+            mine = os.fstat(old)
+            if self._is_live(mine) and mine.st_size > 0:
+                for n in range(self.generations - 1, 0, -1):
+                    try:
+                        os.replace(f"{self.path}.{n}", f"{self.path}.{n + 1}")
+                    except FileNotFoundError:
+                        continue
+                os.replace(self.path, f"{self.path}.1")
+            # else another daemon rotated it (or someone moved it away): just reopen.
+            new = self._open()
+        finally:
+            fcntl.flock(old, fcntl.LOCK_UN)
+        # Only now: if the open failed, records keep going to the old file.
+        self.fd = new
+        os.close(old)
+
+    def close(self) -> None:
+        self.acquire()
+        try:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+        finally:
+            self.release()
+            super().close()
+
+
+class _Setup:
+    """What :func:`configure` chose, for handlers added later."""
+
+    formatter = JsonFormatter()
+
 
 def open_log_fifo(bundle: str) -> int | None:
-    """Open ``<bundle>/log`` for writing without blocking; None if unusable."""
+    """Open ``<bundle>/log`` for writing without blocking; None if unusable.
+
+    The fd stays non-blocking (see :class:`FdHandler`).
+    """
     try:
-        fd = os.open(os.path.join(bundle, "log"), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return os.open(os.path.join(bundle, "log"), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
-    # Non-blocking writes would drop lines whenever containerd is slow to read;
-    # containerd holds the FIFO open read-write, so blocking writes cannot hang
-    # on a missing reader.
-    os.set_blocking(fd, True)
-    return fd
 
 
 def configure(fd: int | None, *, debug: bool, static: dict[str, str] | None = None) -> None:
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
+        if isinstance(handler, NodeLogHandler):
+            handler.close()
     root.setLevel(logging.DEBUG if debug else logging.INFO)
     # Libraries' debug chatter (pyroute2 logs every netlink message) is not ours.
     for name in ("pyroute2", "asyncio"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    _Setup.formatter = JsonFormatter(static)
     if fd is None:
         root.addHandler(logging.NullHandler())
         return
     handler = FdHandler(fd)
-    handler.setFormatter(JsonFormatter(static))
+    handler.setFormatter(_Setup.formatter)
+    root.addHandler(handler)
+
+
+def add_node_log(path: str) -> None:
+    """Also write every record to the node's shim log file ``path`` ("" turns it off).
+
+    Call it once the node config is known (after :func:`configure`); calling it again
+    with another path moves the log there. A file that cannot be opened is reported
+    through the other handlers and otherwise ignored.
+    """
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, NodeLogHandler):
+            if handler.path == path:
+                return
+            root.removeHandler(handler)
+            handler.close()
+    if not path:
+        return
+    try:
+        handler = NodeLogHandler(path)
+    except OSError as err:
+        logging.getLogger(__name__).warning(
+            "cannot open the node's shim log file; logging to containerd only",
+            extra={"log_file": path, "error": str(err)},
+        )
+        return
+    handler.setFormatter(_Setup.formatter)
     root.addHandler(handler)

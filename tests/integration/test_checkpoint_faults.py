@@ -1,8 +1,8 @@
 """Checkpoint/restore under faults: a SIGKILL racing the checkpoint-on-stop, the shim or
-CRIU killed mid-dump or mid-commit, a full store disk, damaged blobs, a rootfs diff
-crafted to escape the rootfs. In every case the store lists only complete, verifiable
-checkpoints, and the next start restores the previous good one or starts cold, saying
-why in the shim's log.
+CRIU killed mid-dump, a full store disk (in the dump, in the compression), damaged
+blobs, a rootfs diff crafted to escape the rootfs. In every case the store lists only
+complete, verifiable checkpoints, and the next start restores the previous good one or
+starts cold, saying why in the shim's log.
 
 Versions: these tests run on containerd 1.6 and 2.1 only (FAULT_VERSIONS). What they
 exercise is the shim's own machinery (its abort, fallback and commit paths, the store,
@@ -40,8 +40,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from cedana_shim.checkpoint.layout import RESERVED_METADATA_KEYS
 from cedana_shim.checkpoint.store import Entry
+from cedana_shim.checkpoint.store.layout import RESERVED_METADATA_KEYS
 
 from .harness import procs
 from .harness.config import CTR_NAMESPACE, SHIM_BIN_DIR
@@ -70,9 +70,14 @@ from .harness.cr_support import (
     ingest_dirs,
     kill_all,
     open_store,
+    restored_from,
+    shim_pid,
+    started_cold,
     stopped,
     store_is_sound,
     tree_bytes,
+    unique_label,
+    wait_compacted,
     wait_criu,
     wait_ticks,
 )
@@ -90,16 +95,6 @@ MEM_KIB = 48 * 1024
 CHILDREN = "for n in $(seq 40); do sleep 2147483647 & done\n"
 
 
-def _label(what: str) -> str:
-    return f"{what}-{uuid.uuid4().hex[:8]}"
-
-
-def _shim_pid(containerd: Containerd, box: Box) -> int:
-    pids = containerd.shim_pids(CTR_NAMESPACE, box.cid)
-    assert len(pids) == 1, f"expected one shim daemon for {box.cid}, found {pids}"
-    return pids.pop()
-
-
 def _stop_with_checkpoint(
     w: Workloads, box: Box, events: EventStream, *, ticks: int = 3
 ) -> tuple[Event, Counter]:
@@ -113,23 +108,6 @@ def _stop_with_checkpoint(
     counted = box.ticks()
     assert counted is not None and "got-TERM" not in box.lines()
     return committed, counted
-
-
-def _restored_from(events: EventStream, box: Box, checkpoint_id: str) -> Event:
-    outcome = events.wait_topic(TOPIC_RESTORE, box.cid, timeout=30)
-    assert outcome.field("outcome") == "restored", outcome
-    assert outcome.checkpoint_id == checkpoint_id, (
-        f"restored {outcome.field('checkpoint_id')}, expected {checkpoint_id}: "
-        f"{outcome.field('detail')}"
-    )
-    return outcome
-
-
-def _started_cold(events: EventStream, box: Box) -> Event:
-    outcome = events.wait_topic(TOPIC_RESTORE, box.cid, timeout=30)
-    assert outcome.field("outcome") == "cold", outcome
-    assert outcome.checkpoint_id == ""
-    return outcome
 
 
 def _ids(containerd: Containerd, label: str) -> list[str]:
@@ -151,9 +129,9 @@ def _second_incarnation(
     interrupts."""
     good, counted = _stop_with_checkpoint(w, w.start("a"), events)
     b = w.start("b")
-    _restored_from(events, b, good.checkpoint_id)
+    restored_from(events, b, good.checkpoint_id)
     wait_ticks(b.lines, count=ticks)
-    return good, counted, b, _shim_pid(c, b)
+    return good, counted, b, shim_pid(c, b)
 
 
 def test_sigkill_while_the_stop_checkpoint_dumps(
@@ -167,7 +145,9 @@ def test_sigkill_while_the_stop_checkpoint_dumps(
     script = counter_script(mem_kib=MEM_KIB, extra=CHILDREN)
     with (
         EventStream(c.socket) as events,
-        Workloads(c, new_id, label=_label("kill"), script=script, namespace=CTR_NAMESPACE) as w,
+        Workloads(
+            c, new_id, label=unique_label("kill"), script=script, namespace=CTR_NAMESPACE
+        ) as w,
         TaskKiller(c.socket, CTR_NAMESPACE) as tasks,
     ):
         good, counted, b, shim = _second_incarnation(c, w, events)
@@ -180,10 +160,14 @@ def test_sigkill_while_the_stop_checkpoint_dumps(
         exited = events.wait_topic(TOPIC_EXIT, b.cid, timeout=30)
         assert exited.field("exit_status") == 137, exited
         failed = events.wait_topic(TOPIC_FAILED, b.cid, timeout=30)
-        # "cancelled" is what an abort reports: the SIGKILL landed while the dump ran.
-        assert failed.field("error") == "cancelled", failed
+        # What an abort reports: the SIGKILL landed while the dump ran.
+        abandoned = (
+            f"checkpoint of container {b.cid} abandoned: the container was killed while it "
+            "was being dumped"
+        )
+        assert failed.field("error") == abandoned, failed
         assert failed.field("reason") == "stop"
-        log.wait("checkpoint failed", container=b.cid, error="cancelled")
+        log.wait("checkpoint failed", container=b.cid, error=abandoned)
         assert not procs.pid_alive(init)
         wait_for(lambda: not criu_pids(shim), timeout=10, what=f"CRIU {dumping} to be gone")
         w.delete(b)
@@ -194,7 +178,7 @@ def test_sigkill_while_the_stop_checkpoint_dumps(
         assert not ingest_dirs(c.store), "the abandoned dump's staging dir was left behind"
 
         c3 = w.start("c")
-        _restored_from(events, c3, good.checkpoint_id)
+        restored_from(events, c3, good.checkpoint_id)
         assert_continues(counted, wait_ticks(c3.lines, count=3), "restore after the SIGKILL")
 
 
@@ -210,7 +194,9 @@ def test_shim_killed_during_the_dump(fresh_containerd: Containerd, new_id: NewId
     script = counter_script(mem_kib=MEM_KIB, extra=CHILDREN)
     with (
         EventStream(c.socket) as events,
-        Workloads(c, new_id, label=_label("shimdump"), script=script, namespace=CTR_NAMESPACE) as w,
+        Workloads(
+            c, new_id, label=unique_label("shimdump"), script=script, namespace=CTR_NAMESPACE
+        ) as w,
         TaskKiller(c.socket, CTR_NAMESPACE) as tasks,
     ):
         good, counted, b, shim = _second_incarnation(c, w, events)
@@ -235,64 +221,8 @@ def test_shim_killed_during_the_dump(fresh_containerd: Containerd, new_id: NewId
         assert not ingest_dirs(c.store), f"gc left {ingest_dirs(c.store)} (was {leftovers})"
 
         c3 = w.start("c")
-        _restored_from(events, c3, good.checkpoint_id)
+        restored_from(events, c3, good.checkpoint_id)
         assert_continues(counted, wait_ticks(c3.lines, count=3), "restore after the shim died")
-
-
-def test_shim_killed_while_the_commit_compresses(
-    fresh_containerd: Containerd, new_id: NewId
-) -> None:
-    """The exit (143) was reported and the commit is compressing when the shim is
-    SIGKILLed: the checkpoint is never listed, and the previous good one is restored."""
-    c = fresh_containerd
-    # ~170 MiB of memory: its commit (zstd + fsync) takes a few hundred ms here.
-    script = counter_script(mem_kib=128 * 1024)
-    with (
-        EventStream(c.socket) as events,
-        Workloads(
-            c, new_id, label=_label("shimcommit"), script=script, namespace=CTR_NAMESPACE
-        ) as w,
-        TaskKiller(c.socket, CTR_NAMESPACE) as tasks,
-    ):
-        good, counted, b, shim = _second_incarnation(c, w, events, ticks=3)
-
-        tasks.kill(b.cid, signal.SIGTERM)
-        exited = events.wait_topic(TOPIC_EXIT, b.cid, timeout=30)
-        assert exited.field("exit_status") == 143, exited
-
-        def committing() -> Path | None:
-            """The staging dir once compressed bytes are being written (commit step
-            "layer-writing"): `out/layer-N` exists and is not empty."""
-            for d in ingest_dirs(c.store):
-                with contextlib.suppress(OSError):
-                    if any(p.stat().st_size > 0 for p in (d / "out").glob("layer-*")):
-                        return d
-            return None
-
-        staging = wait_for(committing, timeout=20, interval=0.001, what="the commit to begin")
-        with stopped(shim):
-            # Frozen mid-commit: compressed bytes are being written, index.json does
-            # not name the checkpoint yet.
-            assert not events.of(TOPIC_COMMITTED, b.cid), "the commit finished too soon"
-            assert staging.name not in _ids(c, w.label)
-            os.kill(shim, signal.SIGKILL)
-        _wait_gone(shim, "the killed shim")
-        assert not events.of(TOPIC_COMMITTED, b.cid)
-        w.ctr.remove(b.cid)
-        assert _ids(c, w.label) == [good.checkpoint_id]
-        store_is_sound(c.store)
-        # Blobs of the dead commit never reached blobs/sha256 (placed only under the
-        # index lock, just before index.json names them).
-        blobs = {p.name for p in (c.store / "blobs" / "sha256").iterdir()}
-        good_entry = entries(c.store, label=w.label)[0]
-        needed = {x.digest.removeprefix("sha256:") for x in good_entry.layers}
-        assert needed <= blobs
-        open_store(c.store).gc()
-        assert not ingest_dirs(c.store)
-
-        c3 = w.start("c")
-        _restored_from(events, c3, good.checkpoint_id)
-        assert_continues(counted, wait_ticks(c3.lines, count=3), "restore after the commit died")
 
 
 # -- CRIU killed ------------------------------------------------------------------------------
@@ -308,7 +238,9 @@ def test_criu_killed_during_the_dump(fresh_containerd: Containerd, new_id: NewId
     script = counter_script(mem_kib=MEM_KIB, extra=CHILDREN)
     with (
         EventStream(c.socket) as events,
-        Workloads(c, new_id, label=_label("criu"), script=script, namespace=CTR_NAMESPACE) as w,
+        Workloads(
+            c, new_id, label=unique_label("criu"), script=script, namespace=CTR_NAMESPACE
+        ) as w,
         TaskKiller(c.socket, CTR_NAMESPACE) as tasks,
     ):
         good, counted, b, shim = _second_incarnation(c, w, events)
@@ -330,7 +262,7 @@ def test_criu_killed_during_the_dump(fresh_containerd: Containerd, new_id: NewId
         assert not ingest_dirs(c.store), "the failed dump's staging dir was left behind"
 
         c3 = w.start("c")
-        _restored_from(events, c3, good.checkpoint_id)
+        restored_from(events, c3, good.checkpoint_id)
         assert_continues(counted, wait_ticks(c3.lines, count=3), "restore after CRIU died")
 
 
@@ -372,13 +304,18 @@ def tmpfs_store(containerd: Containerd, size_mib: int) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(store)], check=False)
 
 
-@pytest.mark.parametrize("phase", ["dump", "commit"])
+@pytest.mark.parametrize("phase", ["dump", "compact"])
 def test_full_store(fresh_containerd: Containerd, new_id: NewId, phase: str) -> None:
-    """The store's disk fills up during a checkpoint-on-stop: in the dump (CRIU's images
-    do not fit: 8 MiB of tmpfs for ~43 MB of images) or in the commit (the disk is
-    filled up by the test the moment the commit starts). Nothing is listed or left
-    behind, the container stops anyway, the failure says the store is full, and the next
-    start is cold."""
+    """The store's disk fills up during a checkpoint-on-stop.
+
+    - In the dump (CRIU's images do not fit: 8 MiB of tmpfs for ~43 MB of images): the
+      container is thawed and gets its SIGTERM (its trap runs), the failure says the
+      store is full, nothing is listed or left behind, the next start is cold.
+    - In the compression that follows a durable stop (the disk is filled by the test
+      the moment the compaction starts): nothing is lost. The checkpoint stays listed,
+      uncompressed, the shim says why it could not compress it, and the next start
+      resumes from it.
+    (Filling up between the dump and the durable point: test_stop_durability.py.)"""
     c = fresh_containerd
     size_mib, mem_kib = (8, 32 * 1024) if phase == "dump" else (64, 16 * 1024)
     log = ShimLog(c)
@@ -386,34 +323,51 @@ def test_full_store(fresh_containerd: Containerd, new_id: NewId, phase: str) -> 
         tmpfs_store(c, size_mib) as store,
         EventStream(c.socket) as events,
         Workloads(
-            c, new_id, label=_label(f"full{phase}"), script=counter_script(mem_kib=mem_kib),
+            c, new_id, label=unique_label(f"full{phase}"), script=counter_script(mem_kib=mem_kib),
             namespace=CTR_NAMESPACE,
         ) as w,
     ):  # fmt: skip
         a = w.start("a")
-        _started_cold(events, a)
+        started_cold(events, a)
         wait_ticks(a.lines, count=3)
-        shim = _shim_pid(c, a)
+        shim = shim_pid(c, a)
         w.ctr("task", "kill", "-s", "SIGTERM", a.cid)
-        if phase == "commit":
-            staging = wait_for(
-                lambda: next((d for d in ingest_dirs(store) if (d / "out").is_dir()), None),
+        if phase == "compact":
+            compacting = wait_for(
+                lambda: next(
+                    (d for d in ingest_dirs(store) if d.name.startswith("compact-")), None
+                ),
                 timeout=20,
                 interval=0.001,
-                what="the commit to begin",
+                what="the compression to begin",
             )
             with stopped(shim):
-                assert not events.of(TOPIC_COMMITTED, a.cid), "the commit finished too soon"
-                _fill(staging / "filler")  # inside the staging dir: the abort frees it
+                _fill(compacting / "filler")  # inside its work dir: the failure frees it
+            committed = events.wait_commit(a.cid, timeout=COMMIT_TIMEOUT)
+            exited = events.wait_topic(TOPIC_EXIT, a.cid, timeout=30)
+            assert exited.field("exit_status") == 143, exited
+            assert "got-TERM" not in a.lines()
+            why = log.wait(
+                "checkpoint compaction failed; it stays uncompressed",
+                checkpoint=committed.checkpoint_id,
+            )
+            assert "No space left on device" in why["error"] or "is full" in why["error"], why
+            counted = a.ticks()
+            assert counted is not None
+            w.delete(a)
+            (entry,) = entries(store)
+            assert (entry.id, entry.state) == (committed.checkpoint_id, "raw")
+            store_is_sound(store)
+            assert not ingest_dirs(store), "the failed compression's work dir fills the disk"
+            b = w.start("b")
+            restored_from(events, b, committed.checkpoint_id)
+            assert_continues(counted, wait_ticks(b.lines, count=3), "resume from the raw one")
+            return
         failed = events.wait_topic(TOPIC_FAILED, a.cid, timeout=COMMIT_TIMEOUT)
         exited = events.wait_topic(TOPIC_EXIT, a.cid, timeout=30)
-        # The container stops either way: by its checkpoint (the dump worked) or by the
-        # SIGTERM the shim delivers after a failed dump (the workload's trap runs).
+        # The workload's own trap ran and exited 143: the shim delivered the SIGTERM.
         assert exited.field("exit_status") == 143, exited
-        if phase == "dump":
-            wait_for(lambda: "got-TERM" in a.lines(), timeout=10, what="the TERM trap")
-        else:
-            assert "got-TERM" not in a.lines()
+        wait_for(lambda: "got-TERM" in a.lines(), timeout=10, what="the TERM trap")
         # The failure must say the disk is full, not only that something failed: in the
         # error the shim reports (the /cedana/checkpoint/failed event and its "checkpoint
         # failed" line). CRIU's own log excerpt does not count: CRIU writes that log into
@@ -431,7 +385,6 @@ def test_full_store(fresh_containerd: Containerd, new_id: NewId, phase: str) -> 
             f"the reported error does not say the store is full: {errors}; "
             f"CRIU's log excerpt says {tails or 'nothing about space either'}"
         )
-        assert log.find("checkpoint failed", container=a.cid)
         assert not events.of(TOPIC_COMMITTED, a.cid)
         w.delete(a)
         assert entries(store) == []
@@ -439,7 +392,7 @@ def test_full_store(fresh_containerd: Containerd, new_id: NewId, phase: str) -> 
         assert tree_bytes(store) < 1 << 20, f"{tree_bytes(store)} bytes left in the store"
 
         b = w.start("b")
-        outcome = _started_cold(events, b)
+        outcome = started_cold(events, b)
         assert outcome.field("detail") == "no checkpoint for this label", outcome
         fresh = wait_ticks(b.lines, count=2)
         assert fresh.first == 1
@@ -447,11 +400,11 @@ def test_full_store(fresh_containerd: Containerd, new_id: NewId, phase: str) -> 
 
 # -- damaged blobs ---------------------------------------------------------------------------
 #
-# Since the raw-image cache (f385584) the store keeps, beside the compressed blobs, the
-# uncompressed CRIU images of the newest checkpoint of each label (<store>/cache/<id>/),
-# with a manifest of per-file digests; a restore runs CRIU from there and checks those
-# digests in parallel, falling back to the verified blob of the same checkpoint. So
-# "what a restore reads" is the blob, or for the newest checkpoint its cached copy.
+# Once compressed, a checkpoint's CRIU images are kept uncompressed too for the newest
+# checkpoint of each label (<store>/raw/<id>/criu, with a file list of sizes and CRC-32s);
+# a restore runs CRIU from there and checks them in parallel, falling back to the
+# verified blob of the same checkpoint. So "what a restore reads" is the blob, or for
+# the newest checkpoint its raw copy. The tests wait for the compression first.
 
 
 def _flip(path: Path) -> None:
@@ -465,7 +418,7 @@ def _flip(path: Path) -> None:
 
 def _cached_images(root: Path, entry: Entry) -> list[Path]:
     """The raw-cache copy of the checkpoint's CRIU images, biggest file first."""
-    cached = root / "cache" / entry.id / CRIU_LAYER
+    cached = root / "raw" / entry.id / CRIU_LAYER
     files = [p for p in cached.rglob("*") if p.is_file()] if cached.is_dir() else []
     return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
 
@@ -475,7 +428,7 @@ def _damage(root: Path, entry: Entry, how: str) -> None:
         # A bit flip in the CRIU layer blob, and no raw cache to read instead (the cache
         # "only ever saves time"; a damaged cache is the next test's subject).
         _flip(blob_path(root, entry.layer(CRIU_LAYER).digest))
-        shutil.rmtree(root / "cache" / entry.id, ignore_errors=True)
+        shutil.rmtree(root / "raw" / entry.id, ignore_errors=True)
     else:  # a rootfs-diff blob cut in half (not cached: always read from the blob)
         path = blob_path(root, entry.layer(ROOTFS_LAYER).digest)
         os.truncate(path, path.stat().st_size // 2)
@@ -493,20 +446,22 @@ def test_damaged_checkpoint_falls_back(
     with (
         EventStream(c.socket) as events,
         Workloads(
-            c, new_id, label=_label(how), script=counter_script(), namespace=CTR_NAMESPACE
+            c, new_id, label=unique_label(how), script=counter_script(), namespace=CTR_NAMESPACE
         ) as w,
     ):
         older, at_older = _stop_with_checkpoint(w, w.start("a"), events)
         b = w.start("b")
-        _restored_from(events, b, older.checkpoint_id)
+        restored_from(events, b, older.checkpoint_id)
         newer, at_newer = _stop_with_checkpoint(w, b, events, ticks=5)
         assert at_newer.last > at_older.last + 3
+        for done in (older, newer):  # the blobs to damage exist once compressed
+            wait_compacted(c.store, done.checkpoint_id)
         listed = entries(c.store, label=w.label)
         assert [e.id for e in listed] == [newer.checkpoint_id, older.checkpoint_id]
         _damage(c.store, listed[0], how)
 
         c3 = w.start("c")
-        outcome = _restored_from(events, c3, older.checkpoint_id)
+        outcome = restored_from(events, c3, older.checkpoint_id)
         assert newer.checkpoint_id in str(outcome.field("detail")), outcome
         skipped = log.wait("skipping checkpoint", checkpoint=newer.checkpoint_id)
         expected = "corrupt" if how == "flip" else "truncated"
@@ -518,7 +473,7 @@ def test_damaged_checkpoint_falls_back(
 
         _damage(c.store, listed[1], how)
         d = w.start("d")
-        outcome = _started_cold(events, d)
+        outcome = started_cold(events, d)
         for ckpt in (newer, older):
             assert ckpt.checkpoint_id in str(outcome.field("detail")), outcome
         log.wait("skipping checkpoint", checkpoint=older.checkpoint_id)
@@ -545,20 +500,24 @@ def test_damage_to_one_copy_of_the_newest_checkpoint(
     script = counter_script(mem_kib=16 * 1024, tick=0.005)
     with (
         EventStream(c.socket) as events,
-        Workloads(c, new_id, label=_label(where), script=script, namespace=CTR_NAMESPACE) as w,
+        Workloads(
+            c, new_id, label=unique_label(where), script=script, namespace=CTR_NAMESPACE
+        ) as w,
     ):
         newest, counted = _stop_with_checkpoint(w, w.start("a"), events, ticks=40)
+        wait_compacted(c.store, newest.checkpoint_id)
         entry = entries(c.store, label=w.label)[0]
         cached = _cached_images(c.store, entry)
-        assert cached, f"no raw cache for the newest checkpoint under {c.store / 'cache'}"
+        assert cached, f"no raw cache for the newest checkpoint under {c.store / 'raw'}"
         _flip(cached[0] if where == "cache" else blob_path(c.store, entry.layer(CRIU_LAYER).digest))
 
         b = w.start("b")
-        outcome = _restored_from(events, b, newest.checkpoint_id)
+        outcome = restored_from(events, b, newest.checkpoint_id)
         after = wait_ticks(b.lines, count=40)
         if where == "cache":
-            assert "cached images discarded" in str(outcome.field("detail")), outcome
-            log.wait("restore failed", container=b.cid)
+            assert "raw images discarded" in str(outcome.field("detail")), outcome
+            skipped = log.wait("skipping checkpoint", container=b.cid, checkpoint=entry.id)
+            assert skipped["error"].startswith("raw images discarded"), skipped
             assert not _cached_images(c.store, entry), "the bad cache was kept"
             assert after.values[0] == after.values[-1] - len(after.values) + 1, (
                 "the process restored from the damaged cached images ran before their "
@@ -637,7 +596,7 @@ def test_crafted_rootfs_diff_is_refused(
     with (
         EventStream(c.socket) as events,
         Workloads(
-            c, new_id, label=_label("src"), script=counter_script(), namespace=CTR_NAMESPACE
+            c, new_id, label=unique_label("src"), script=counter_script(), namespace=CTR_NAMESPACE
         ) as w,
     ):
         src, at_src = _stop_with_checkpoint(w, w.start("src"), events)
@@ -710,13 +669,13 @@ def test_shim_survives_many_checkpoints(fresh_containerd: Containerd, new_id: Ne
     with (
         EventStream(c.socket) as events,
         Workloads(
-            c, new_id, label=_label("many"), script=counter_script(), namespace=CTR_NAMESPACE
+            c, new_id, label=unique_label("many"), script=counter_script(), namespace=CTR_NAMESPACE
         ) as w,
     ):
         box = w.start("a")
-        _started_cold(events, box)
+        started_cold(events, box)
         wait_ticks(box.lines, count=2)
-        shim = _shim_pid(c, box)
+        shim = shim_pid(c, box)
         ids: list[str] = []
         for _ in range(rounds):
             out = subprocess.run(
@@ -755,15 +714,20 @@ def test_failed_restore_falls_back_at_start(
     fresh_containerd: Containerd, new_id: NewId, tmp_path: Path
 ) -> None:
     """A checkpoint whose blobs all verify but whose CRIU images cannot be restored (no
-    process tree image): `runc restore` fails at Start, the shim logs "restore failed",
-    and falls back to the older checkpoint; with no other candidate it starts cold, and
-    the cold container's stdout still reaches its log."""
+    process tree image): `runc restore` fails at Start, the shim logs "skipping
+    checkpoint" with "restore failed: ..." and falls back to the older checkpoint; with
+    no other candidate it starts cold, and the cold container's stdout still reaches its
+    log."""
     c = fresh_containerd
     log = ShimLog(c)
     with (
         EventStream(c.socket) as events,
         Workloads(
-            c, new_id, label=_label("norestore"), script=counter_script(), namespace=CTR_NAMESPACE
+            c,
+            new_id,
+            label=unique_label("norestore"),
+            script=counter_script(),
+            namespace=CTR_NAMESPACE,
         ) as w,
     ):
         good, counted = _stop_with_checkpoint(w, w.start("a"), events)
@@ -788,10 +752,10 @@ def test_failed_restore_falls_back_at_start(
         bad = commit_broken(w.label)  # newer than `good`: tried first
         assert _ids(c, w.label) == [bad.id, good.checkpoint_id]
         b = w.start("b")
-        outcome = _restored_from(events, b, good.checkpoint_id)
+        outcome = restored_from(events, b, good.checkpoint_id)
         assert bad.id in str(outcome.field("detail")), outcome
-        failed = log.wait("restore failed", container=b.cid)
-        assert failed["error"], failed
+        failed = log.wait("skipping checkpoint", container=b.cid, checkpoint=bad.id)
+        assert failed["error"].startswith("restore failed: runc restore failed"), failed
         assert_continues(counted, wait_ticks(b.lines, count=3), "restore after a failed one")
         w.ctr("task", "kill", "-s", "SIGKILL", b.cid)
         events.wait_topic(TOPIC_EXIT, b.cid, timeout=30)
@@ -800,9 +764,10 @@ def test_failed_restore_falls_back_at_start(
         only_bad = f"{w.label}-only"
         bad_only = commit_broken(only_bad)
         d = w.start("d", label=only_bad)
-        outcome = _started_cold(events, d)
+        outcome = started_cold(events, d)
         assert bad_only.id in str(outcome.field("detail")), outcome
-        log.wait("restore failed", container=d.cid)
+        skipped = log.wait("skipping checkpoint", container=d.cid, checkpoint=bad_only.id)
+        assert skipped["error"].startswith("restore failed:"), skipped
         log.wait("starting cold", container=d.cid)
         task = w.ctr.task(d.cid)
         assert task is not None and task.status == "RUNNING", task
@@ -851,7 +816,11 @@ def test_sigkill_wins_over_a_restore_in_progress(
     with (
         EventStream(c.socket) as events,
         Workloads(
-            c, new_id, label=_label("slowrestore"), script=counter_script(), namespace=CTR_NAMESPACE
+            c,
+            new_id,
+            label=unique_label("slowrestore"),
+            script=counter_script(),
+            namespace=CTR_NAMESPACE,
         ) as w,
         TaskKiller(c.socket, CTR_NAMESPACE) as tasks,
     ):

@@ -748,7 +748,9 @@ def test_failed_gpu_restore_after_criu_abandons_the_attempt_and_starts_cold(
     node.fail("restore", p2, "out of memory", times=3)
     since, offset = node.mark(), node.containerd.log_offset()
     second = node.run(new_id("second"), label=label)
-    failed = node.wait_record(offset, "restore failed", container=second.cid)
+    failed = node.wait_record(
+        offset, "skipping checkpoint", container=second.cid, checkpoint=entry.id
+    )
     cold = node.wait_record(offset, "starting cold", container=second.cid)
     events = node.events(since)
     log = node.explain(since)

@@ -8,6 +8,7 @@ container is checkpointed here; tests/integration/test_admin_cli.py does that).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import errno
@@ -33,12 +34,12 @@ from pathlib import Path
 # interpreter's own library directory to import them later.
 import cedana_shim.checkpoint.store
 import cedana_shim.cli.admin_store
-import cedana_shim.config  # noqa: F401
+import cedana_shim.config
 import pytest
 from cedana_shim import errors
 from cedana_shim.api.cedana.v1.cedana_pb2 import CheckpointRequest, CheckpointResponse
-from cedana_shim.checkpoint.layout import MEDIA_TYPE_CRIU
 from cedana_shim.checkpoint.store import Entry, Store, StoreConfig
+from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_CRIU
 from cedana_shim.cli import admin
 from cedana_shim.cli.admin_checkpoint import Progress, find_bundle
 from cedana_shim.cli.admin_common import (
@@ -99,6 +100,7 @@ def commit(
     (criu / "pages-1.img").write_bytes(os.urandom(payload))
     (criu / "inventory.img").write_bytes(b"x" * 100)
     ing.add_dir_layer("criu", str(criu), MEDIA_TYPE_CRIU)
+    ing.keep_raw("criu")
     return store.commit(ing)
 
 
@@ -143,9 +145,13 @@ def test_list_table_is_aligned_newest_first(
     assert (r.rc, r.err) == (0, "")
     lines = r.out.splitlines()
     header = lines[0]
-    assert header.split() == ["ID", "NAMESPACE", "LABEL", "CONTAINER", "CREATED", "SIZE", "STATUS"]
+    assert header.split() == [
+        "ID", "NAMESPACE", "LABEL", "CONTAINER", "CREATED", "SIZE", "RAW", "STATE", "STATUS",
+    ]  # fmt: skip
     # Aligned: every column starts where its header does.
-    starts = [header.index(h) for h in ("NAMESPACE", "LABEL", "CONTAINER", "CREATED", "SIZE")]
+    starts = [
+        header.index(h) for h in ("NAMESPACE", "LABEL", "CONTAINER", "CREATED", "SIZE", "STATE")
+    ]
     for line in lines[1:]:
         for col in starts:
             assert line[col - 1] == " " and line[col] != " ", (line, col)
@@ -155,7 +161,13 @@ def test_list_table_is_aligned_newest_first(
         assert row[1:4] == [entry.scope, entry.label, entry.metadata["container"]]
         assert CREATED_CELL.fullmatch(row[4]), row[4]
         assert row[5] == f"{entry.size / 1024:.1f} KiB"
-        assert row[6] == "-"
+        assert row[7:] == ["compacted", "-"]
+    # The newest checkpoint of each label keeps its raw images (the cache).
+    assert [row[6] for row in rows] == [
+        human_size(populated.new.raw_bytes), human_size(populated.web.raw_bytes), "-",
+    ]  # fmt: skip
+    assert populated.new.raw_bytes == 5100  # pages-1.img and inventory.img
+    assert populated.store.get(populated.old.id).raw_bytes == 0
 
 
 def test_list_json_follows_the_contract(
@@ -217,6 +229,101 @@ def test_list_shows_damage(populated: Populated, capsys: pytest.CaptureFixture[s
     item = next(i for i in json.loads(r.out) if i["id"] == populated.old.id)
     assert set(item) >= CONTRACT_KEYS
     assert "is missing" in item["damage"]
+
+
+def test_list_status_shows_a_truncated_blob_or_raw_file_without_hashing(
+    populated: Populated, capsys: pytest.CaptureFixture[str]
+) -> None:
+    layer = blob(populated.store, populated.web.layers[0].digest)
+    os.truncate(layer, layer.stat().st_size - 1)
+    raw = publish_raw(populated.store, "default", "train")
+    pages = Path(populated.root, "raw", raw.id, "criu", "pages-1.img")
+    os.truncate(pages, 100)
+    r = cli(capsys, "checkpoints", "list", "--store", populated.root)
+    assert r.rc == 0
+    rows = {row[0]: row for row in table_rows(r.out)[1:]}
+    assert rows[populated.web.id][-1] == (
+        f"damaged: layer 'criu' ({layer}): blob is {layer.stat().st_size} bytes, "
+        f"expected {populated.web.layers[0].size} (truncated?)"
+    )
+    assert rows[raw.id][-2:] == [
+        "raw",
+        f"damaged: layer 'criu' ({pages.parent}): pages-1.img is 100 bytes, the file list "
+        "says 1000 (truncated or changed after it was published)",
+    ]
+    assert rows[populated.new.id][-1] == "-"
+    r = cli(capsys, "checkpoints", "list", "--json", "--store", populated.root)
+    items = {i["id"]: i for i in json.loads(r.out)}
+    assert "truncated" in items[populated.web.id]["damage"]
+    assert items[populated.new.id]["damage"] is None
+
+
+def publish_raw(store: Store, scope: str, label: str) -> Entry:
+    ing = store.begin(scope=scope, label=label, metadata={"container": "trainer"})
+    criu = Path(ing.dir("criu"))
+    (criu / "pages-1.img").write_bytes(os.urandom(1000))
+    ing.add_dir_layer("criu", str(criu), MEDIA_TYPE_CRIU)
+    ing.keep_raw("criu")
+    return store.publish(ing)
+
+
+def test_list_and_inspect_show_the_state_and_the_raw_bytes(
+    populated: Populated, capsys: pytest.CaptureFixture[str]
+) -> None:
+    raw = publish_raw(populated.store, "default", "train")
+    r = cli(capsys, "checkpoints", "list", "--json", "--store", populated.root)
+    items = {i["id"]: i for i in json.loads(r.out)}
+    assert (items[raw.id]["state"], items[raw.id]["rawBytes"]) == ("raw", 1000)
+    assert (items[populated.web.id]["state"], items[populated.web.id]["rawBytes"]) == (
+        "compacted",
+        40_100,
+    )
+    r = cli(capsys, "checkpoints", "list", "--store", populated.root)
+    rows = {row[0]: row for row in table_rows(r.out)[1:]}
+    assert rows[raw.id][6:] == ["1000 B", "raw", "-"]
+    r = cli(capsys, "checkpoints", "inspect", raw.id, "--verify", "--store", populated.root)
+    assert (r.rc, r.err) == (0, "")
+    assert "\nState:     raw (uncompressed, compaction pending)\n" in r.out
+    assert "\nRaw:       1000 B (1000 bytes) kept: its files\n" in r.out
+    assert r.out.endswith(
+        "\nVerify:    OK (manifest, config and 1 raw layer(s): every file's size and "
+        "CRC-32 intact)\n"
+    )
+    r = cli(capsys, "checkpoints", "inspect", populated.web.id, "--store", populated.root)
+    assert "\nState:     compacted (tar+zstd blobs)\n" in r.out
+    assert "kept: raw-image cache for fast restores\n" in r.out
+
+
+def repair(root: str, capsys: pytest.CaptureFixture[str], *, as_json: bool = False) -> Result:
+    capsys.readouterr()
+    rc = cedana_shim.cli.admin_store.cmd_repair(argparse.Namespace(store=root, json=as_json))
+    out, err = capsys.readouterr()
+    return Result(rc, out, err)
+
+
+def test_repair_rebuilds_a_damaged_or_missing_index(
+    populated: Populated, capsys: pytest.CaptureFixture[str]
+) -> None:
+    r = repair(populated.root, capsys)
+    assert (r.rc, r.out) == (0, f"{populated.root}/index.json is intact: nothing to repair\n")
+    index = Path(populated.root, "index.json")
+    index.write_text("{not json")
+    r = repair(populated.root, capsys)
+    assert r.rc == 0, r.err
+    lines = r.out.splitlines()
+    assert lines[0].startswith(f"rebuilt {index} ({index}: not valid JSON")
+    assert lines[1].startswith(f"the damaged index was kept as {index}.damaged-")
+    ids = [populated.old.id, populated.web.id, populated.new.id]
+    assert lines[2:5] == [f"recovered {i} (compacted)" for i in ids]
+    assert lines[5] == "recovered 3 checkpoints, dropped 0"
+    assert [e.id for e in populated.store.list()] == ids[::-1]
+
+    index.unlink()
+    r = repair(populated.root, capsys, as_json=True)
+    doc = json.loads(r.out)
+    assert doc["rebuilt"] is True and doc["damagedCopy"] is None
+    assert "is missing" in doc["reason"]
+    assert [x["id"] for x in doc["recovered"]] == ids and doc["dropped"] == []
 
 
 # --------------------------------------------------------------------------- inspect
@@ -391,11 +498,16 @@ def test_damaged_index_is_an_error_not_a_traceback(
 ) -> None:
     index = Path(populated.root, "index.json")
     index.write_text("{not json")
-    for argv in (["list"], ["rm", populated.old.id], ["prune", "--keep", "1"]):
+    for argv in (["list"], ["inspect", populated.old.id[:10]]):
         r = cli(capsys, "checkpoints", *argv, "--store", populated.root)
         assert (r.rc, r.out) == (1, ""), argv
         assert r.err.startswith(f"cedana: {index}"), r.err
         assert "The store's index is damaged" in r.err
+        assert "run `cedana checkpoints repair`" in r.err
+    # A write repairs it first, then does its job.
+    r = cli(capsys, "checkpoints", "rm", populated.old.id, "--store", populated.root)
+    assert (r.rc, r.out) == (0, f"{populated.old.id}\n"), r.err
+    assert [e.id for e in populated.store.list()] == [populated.new.id, populated.web.id]
 
 
 def test_store_path_comes_from_node_config_and_env(
@@ -525,7 +637,7 @@ def test_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, needle in [
         (["--help"], "checkpoint a running container now"),
         (["checkpoints", "--help"], "NAMESPACE is the scope of a"),
-        (["checkpoints", "list", "--help"], "created (RFC 3339) and size (bytes)"),
+        (["checkpoints", "list", "--help"], "created (RFC 3339), size (bytes)"),
         (["checkpoints", "inspect", "-h"], "--verify also checks every blob"),
         (["checkpoints", "rm", "-h"], "the others are still removed"),
         (["checkpoints", "prune", "-h"], "--keep N"),
@@ -882,3 +994,18 @@ def test_checkpoint_finds_the_bundle(tmp_path: Path, capsys: pytest.CaptureFixtu
         "cedana: '../etc' is not a valid container id (letters and digits, separated by "
         "single '.', '_' or '-')\n",
     )
+
+
+def test_repair_is_a_checkpoints_subcommand(
+    populated: Populated, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (Path(populated.root) / "index.json").write_text("{not json")
+    r = cli(capsys, "--store", populated.root, "checkpoints", "repair", "--json")
+    assert r.rc == 0, r.err
+    report = json.loads(r.out)
+    assert report["rebuilt"] is True
+    assert {x["id"] for x in report["recovered"]} == {
+        populated.old.id,
+        populated.web.id,
+        populated.new.id,
+    }

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 from cedana_shim import errors
-from cedana_shim.checkpoint import layout
-from cedana_shim.checkpoint.layout import (
+from cedana_shim.checkpoint.store import layout
+from cedana_shim.checkpoint.store.layout import (
     ANN_CREATED,
     ANN_ID,
     ANN_LABEL,

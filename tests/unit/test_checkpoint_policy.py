@@ -95,3 +95,49 @@ def test_durations(text: str, seconds: float) -> None:
 def test_bad_or_too_short_durations(text: str) -> None:
     with pytest.raises(InvalidArgument):
         parse_duration(text, "test")
+
+
+@pytest.mark.parametrize(
+    "text", ["nan", "NaN", "inf", "-inf", "infinity", "1e400", "1e9", "1e5m", "99999999h", "-20"]
+)
+def test_non_finite_or_absurd_intervals_are_refused(text: str) -> None:
+    # float() takes nan/inf/1e400, and nan compares false to the minimum: it once
+    # bypassed the 10 s floor (97 back-to-back checkpoints in 20 s).
+    with pytest.raises(InvalidArgument, match="interval"):
+        parse_duration(text, "env CEDANA_CHECKPOINT_INTERVAL")
+
+
+def test_nan_interval_fails_the_container_creation() -> None:
+    with pytest.raises(InvalidArgument, match="CEDANA_CHECKPOINT_INTERVAL"):
+        policy_for(spec(["CEDANA_CHECKPOINT=x", "CEDANA_CHECKPOINT_INTERVAL=nan"]), "c1", "d")
+
+
+@given(st.text(max_size=30))
+def test_any_accepted_interval_is_finite_and_in_range(text: str) -> None:
+    try:
+        seconds = parse_duration(text, "test")
+    except InvalidArgument:
+        return
+    assert 10.0 <= seconds <= 30 * 86400
+
+
+def test_env_and_annotation_labels_that_differ_are_refused() -> None:
+    s = spec(["CEDANA_CHECKPOINT=from-env"], **{"cedana.ai/checkpoint": "from-annotation"})
+    with pytest.raises(InvalidArgument) as info:
+        policy_for(s, "c1", "default")
+    message = str(info.value)
+    assert "from-env" in message and "from-annotation" in message and "conflicting" in message
+
+
+def test_env_and_annotation_intervals_that_differ_are_refused() -> None:
+    s = spec(
+        ["CEDANA_CHECKPOINT=x", "CEDANA_CHECKPOINT_INTERVAL=10m"],
+        **{"cedana.ai/checkpoint-interval": "15m"},
+    )
+    with pytest.raises(InvalidArgument, match="conflicting"):
+        policy_for(s, "c1", "default")
+
+
+def test_env_and_annotation_agreeing_are_fine() -> None:
+    s = spec(["CEDANA_CHECKPOINT=same"], **{"cedana.ai/checkpoint": "same"})
+    assert policy_for(s, "c1", "default").label == "same"

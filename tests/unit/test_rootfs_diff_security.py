@@ -16,42 +16,12 @@ from pathlib import Path
 import pytest
 from cedana_shim import errors
 from cedana_shim.checkpoint.rootfs_diff import Limits, apply, apply_dir
-from rootfs_diff_support import need_root, snapshot
-
-Member = tuple[tarfile.TarInfo, bytes | None]
-
-
-def reg(name: str, data: bytes = b"x", **fields: object) -> Member:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    for key, value in fields.items():
-        setattr(info, key, value)
-    return info, data
-
-
-def node(name: str, kind: bytes, linkname: str = "", **fields: object) -> Member:
-    info = tarfile.TarInfo(name)
-    info.type = kind
-    info.linkname = linkname
-    for key, value in fields.items():
-        setattr(info, key, value)
-    return info, None
-
-
-def archive(*members: Member, fmt: int = tarfile.PAX_FORMAT, **kw: object) -> io.BytesIO:
-    buf = io.BytesIO()
-    # A harmless member first: refusal must come before it is written too.
-    with tarfile.open(fileobj=buf, mode="w", format=fmt, **kw) as tf:  # type: ignore[call-overload]
-        for info, data in [reg("aaa-benign", b"fine"), *members]:
-            tf.addfile(info, io.BytesIO(data) if data is not None else None)
-    buf.seek(0)
-    return buf
+from support.rootfs_diff import Member, Unseekable, archive, node, reg, snapshot
 
 
 @pytest.fixture
 def world(tmp_path: Path) -> Path:
     """tmp/rootfs (the target) and tmp/outside (must never change)."""
-    need_root()
     rootfs = tmp_path / "rootfs"
     (rootfs / "etc").mkdir(parents=True)
     (rootfs / "etc/passwd").write_text("root:x:0:0\n")
@@ -64,6 +34,9 @@ def world(tmp_path: Path) -> Path:
 
 
 DIR, SYM, LNK = tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE
+# Owned by whoever runs the test: these cases are about links and descriptors,
+# and restoring a foreign owner needs root (tests/privileged covers owners).
+MINE: dict[str, object] = {"uid": os.getuid(), "gid": os.getgid()}
 
 REFUSED: list[tuple[str, Callable[[], io.BytesIO], str]] = [
     ("dotdot", lambda: archive(reg("../escape")), r"'\.\.' component"),
@@ -217,24 +190,15 @@ def test_refused_with_nothing_written(
     ],
 )
 def test_limits(world: Path, limits: Limits, members: list[Member], rule: str) -> None:
+    spool = world / "outside" / "spool"
+    spool.mkdir()
     before = snapshot(world)
     src = archive(*members)
     # A pipe, not a seekable buffer, for the archive-size case: spooling stops early.
-    stream = io.BufferedReader(_Unseekable(src.getvalue()))
+    stream = io.BufferedReader(Unseekable(src.getvalue()))
     with pytest.raises(errors.InvalidArgument, match=rule):
-        apply(stream, str(world / "rootfs"), limits=limits)
+        apply(stream, str(world / "rootfs"), limits=limits, spool_dir=str(spool))
     assert snapshot(world) == before
-
-
-class _Unseekable(io.RawIOBase):
-    def __init__(self, data: bytes) -> None:
-        self._data = io.BytesIO(data)
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: bytearray) -> int:  # type: ignore[override]
-        return self._data.readinto(b)
 
 
 @pytest.mark.parametrize(
@@ -298,14 +262,14 @@ def test_symlink_in_rootfs_replaced_where_archive_makes_a_directory(world: Path)
     outside_before = snapshot(outside)
     stats = apply(
         archive(
-            node("etc", DIR, mode=0o755),
-            reg("etc/x", b"inside"),
-            reg("leaf", b"replaced the link"),
+            node("etc", DIR, mode=0o755, **MINE),
+            reg("etc/x", b"inside", **MINE),
+            reg("leaf", b"replaced the link", **MINE),
             reg(".wh.gone", b""),
             reg("wh/.wh.secret", b""),
-            node("opq", DIR, mode=0o755),
+            node("opq", DIR, mode=0o755, **MINE),
             reg("opq/.wh..wh..opq", b""),
-            reg("opq/new", b"n"),
+            reg("opq/new", b"n", **MINE),
         ),
         str(rootfs),
     )
@@ -349,5 +313,12 @@ def test_no_descriptor_leaks(world: Path) -> None:
     ):
         with pytest.raises((errors.InvalidArgument, errors.DataLoss)):
             apply(src, str(rootfs))
-    apply(archive(node("a/b/c", DIR), reg("a/b/c/f"), node("a/h", LNK, "a/b/c/f")), str(rootfs))
+    apply(
+        archive(
+            node("a/b/c", DIR, mode=0o755, **MINE),
+            reg("a/b/c/f", **MINE),
+            node("a/h", LNK, "a/b/c/f", **MINE),
+        ),
+        str(rootfs),
+    )
     assert open_fds() == before

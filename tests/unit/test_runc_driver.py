@@ -377,6 +377,18 @@ def test_checkpoint_opts_validate(kwargs: dict[str, Any]) -> None:
             errors.Unknown,
         ),
         ("kill", "operation not permitted", RuncUnknown, errors.Unknown),
+        (
+            "create",
+            'unable to start container process: exec: "x": executable file not found in $PATH',
+            RuncUnknown,
+            errors.Unknown,
+        ),
+        (
+            "exec",
+            "cannot exec in a paused container",
+            RuncFailedPrecondition,
+            errors.FailedPrecondition,
+        ),
     ],
 )
 def test_classify(

@@ -1,5 +1,5 @@
-"""ttrpc client: round trips with our server over a real unix socket, scripted fake servers
-for the edge cases, and (when run as root with containerd installed) containerd itself."""
+"""ttrpc client: round trips with our server over a real unix socket, and scripted fake
+servers for the edge cases (containerd itself: tests/privileged/test_ttrpc_containerd.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 import shutil
 import socket
 import struct
-import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -428,87 +427,3 @@ def test_undecodable_response_payload_is_internal() -> None:
                 await client.call(SVC, "Echo", StringValue(), StringValue)
 
     run(main())
-
-
-# -- against containerd's own ttrpc server -----------------------------------------------
-
-
-@pytest.mark.integration
-def test_forward_event_to_real_containerd() -> None:
-    assert os.geteuid() == 0, "this test starts a containerd: run it as root"
-    assert shutil.which("containerd"), (
-        "containerd is not installed (run scripts/setup-node-deps.sh)"
-    )
-    from cedana_shim.api.containerd.events.task_pb2 import TaskExit
-    from cedana_shim.api.containerd.services.ttrpc_events_pb2 import Envelope, ForwardRequest
-    from google.protobuf.any_pb2 import Any as AnyPb
-    from google.protobuf.timestamp_pb2 import Timestamp
-
-    directory = tempfile.mkdtemp(prefix="ttrpc-ctd-", dir="/tmp")
-    address = os.path.join(directory, "c.sock")
-    config = os.path.join(directory, "config.toml")
-    with open(config, "w") as f:
-        f.write(
-            f'version = 2\nroot = "{directory}/root"\nstate = "{directory}/state"\n'
-            'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
-            f'[grpc]\n  address = "{address}"\n'
-        )
-    log = open(os.path.join(directory, "log"), "w")  # noqa: SIM115
-    daemon = subprocess.Popen(["containerd", "--config", config], stdout=log, stderr=log)
-    events = None
-    try:
-        deadline = time.monotonic() + 10
-        while not os.path.exists(address + ".ttrpc"):
-            assert daemon.poll() is None, "containerd exited; see " + log.name
-            assert time.monotonic() < deadline, "containerd did not start"
-            time.sleep(0.02)
-        events = subprocess.Popen(
-            ["ctr", "--address", address, "events"], stdout=subprocess.PIPE, text=True
-        )
-        time.sleep(0.3)  # let the subscription register
-
-        exit_event = TaskExit(container_id="c1", id="c1", pid=42, exit_status=7)
-        envelope = Envelope(
-            timestamp=Timestamp(seconds=int(time.time())),
-            namespace="default",
-            topic="/tasks/exit",
-            event=AnyPb(
-                type_url="containerd.events.TaskExit", value=exit_event.SerializeToString()
-            ),
-        )
-
-        async def main() -> None:
-            async with await Client.connect("unix://" + address + ".ttrpc") as client:
-                service = "containerd.services.events.ttrpc.v1.Events"
-                meta = {"containerd-namespace-ttrpc": "default"}
-                reply = await client.call(
-                    service,
-                    "Forward",
-                    ForwardRequest(envelope=envelope),
-                    Empty,
-                    timeout=5,
-                    metadata=meta,
-                )
-                assert reply == Empty()
-                bad = Envelope()
-                bad.CopyFrom(envelope)
-                bad.ClearField("timestamp")
-                # containerd's validateEnvelope wraps ErrInvalidArgument.
-                with pytest.raises(errors.InvalidArgument, match="timestamp"):
-                    await client.call(service, "Forward", ForwardRequest(envelope=bad), Empty)
-                with pytest.raises(errors.Unimplemented):
-                    await client.call(service, "Nope", Empty(), Empty)
-
-        run(main())
-        time.sleep(0.3)
-        events.terminate()
-        out, _ = events.communicate(timeout=5)
-        assert "/tasks/exit" in out and "c1" in out
-    finally:
-        if events is not None and events.poll() is None:
-            events.kill()
-            events.wait()
-        daemon.terminate()
-        daemon.wait(timeout=10)
-        log.close()
-        shutil.rmtree(directory, ignore_errors=True)

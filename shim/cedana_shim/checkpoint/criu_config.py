@@ -12,10 +12,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from ..config import NodeConfig
+from ..errors import Internal
+from ..runtime.pgroup import start_time
 
 ANNOTATION = "org.criu.config"
 FILE_NAME = "cedana-criu.conf"
@@ -51,12 +54,16 @@ GATE_TEMPLATE = """#!/bin/sh
 # post-restore (everything restored, nothing resumed yet) it waits for the shim's
 # verdict on the images CRIU read, and a bad one makes CRIU abort the restore and
 # kill the restored tasks before any of them runs again. (A failing pre-resume
-# script is only logged by CRIU, so the gate cannot sit there.)
+# script is only logged by CRIU, so the gate cannot sit there.) Without a verdict
+# it gives up the same way at the restore's deadline (wall clock: each turn of the
+# loop costs more than its sleep), and at once when the shim that wrote it is gone
+# (pid {owner_pid}, started at tick {owner_start}: a reused pid starts later).
 [ "$CRTOOLS_SCRIPT_ACTION" = "post-restore" ] || exit 0
-i=0
 while [ ! -e '{verdict}' ]; do
-  i=$((i + 1))
-  [ "$i" -gt {polls} ] && exit 1
+  [ "$(date +%s)" -lt {deadline} ] || exit 1
+  read -r owner 2>/dev/null </proc/{owner_pid}/stat || exit 1
+  set -- ${{owner##*) }}
+  [ "${{20}}" = {owner_start} ] || exit 1
   sleep 0.01
 done
 [ "$(cat '{verdict}')" = ok ]
@@ -67,18 +74,29 @@ def write_gate(directory: str, timeout: float) -> tuple[str, str]:
     """A CRIU action script that blocks post-restore until ``verdict`` says ok.
 
     Returns (script path, verdict path); write "ok" (or anything else) to the
-    verdict file with :func:`give_verdict`.
+    verdict file with :func:`give_verdict`. The script gives up (CRIU aborts the
+    restore) ``timeout`` seconds from now, or as soon as this process is gone.
     """
     script = os.path.join(directory, "cedana-gate.sh")
     verdict = os.path.join(directory, "cedana-verdict")
     for path in (script, verdict):
         if "'" in path:
             raise ValueError(f"unsupported path for a CRIU action script: {path!r}")
+    owner_pid = os.getpid()
+    owner_start = start_time(owner_pid)
+    if owner_start is None:
+        raise Internal(f"cannot read the start time of pid {owner_pid} in /proc")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(verdict)
+    text = GATE_TEMPLATE.format(
+        verdict=verdict,
+        deadline=int(time.time() + timeout),
+        owner_pid=owner_pid,
+        owner_start=owner_start,
+    )
     fd = os.open(script, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o700)
     with os.fdopen(fd, "w") as f:
-        f.write(GATE_TEMPLATE.format(verdict=verdict, polls=int(timeout * 100)))
+        f.write(text)
     return script, verdict
 
 

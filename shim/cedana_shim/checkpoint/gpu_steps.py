@@ -10,7 +10,7 @@ and undoes a partial freeze, so a failure never leaves the workload locked.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,17 +130,17 @@ class GpuSteps:
     async def after_restore(
         self,
         container_id: str,
-        runc: Runc,
+        pids: Sequence[int],
         recorded: Mapping[str, Any],
         device_map: Mapping[str, str] | None,
     ) -> dict[str, Any]:
+        """The GPU state back into the restored processes ``pids``, then unlocked."""
         from ..gpu.orchestrator import thaw
 
         if not recorded.get("processes"):
             return {}
         loop = asyncio.get_running_loop()
         driver = await asyncio.to_thread(self._choose, container_id, loop)
-        pids = await runc.ps(container_id)
         total = (recorded.get("freeze") or {}).get("bytes")
         thawed = await thaw(
             driver,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any, TypedDict
 
 
@@ -124,3 +125,12 @@ def same_addresses(before: Any, after: Any) -> bool:
     """True when a restore keeps the pod's addresses, so its TCP connections can live."""
     old = pod_addresses(before)
     return bool(old) and old == pod_addresses(after)
+
+
+def joined_network_facts(spec: Mapping[str, Any]) -> NetworkFacts | dict[str, Any]:
+    """The facts of the network namespace a new container joins (its spec names it);
+    empty when it makes its own. Blocking."""
+    for ns in (spec.get("linux") or {}).get("namespaces") or []:
+        if isinstance(ns, Mapping) and ns.get("type") == "network" and ns.get("path"):
+            return network_facts(str(ns["path"]))
+    return {}

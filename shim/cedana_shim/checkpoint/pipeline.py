@@ -1,11 +1,19 @@
 """The checkpoint pipeline: dump a container into the store.
 
-Two phases, so that a stopping container's exit is not held up by
-compression: :meth:`Pipeline.dump` runs CRIU (through runc) straight into a
-staging area on the store's filesystem and captures the rootfs diff and the
-pod's /dev/shm; :meth:`Pipeline.commit` compresses, writes and atomically
-publishes the checkpoint. Anything that fails or is cancelled before the
-commit leaves nothing a restore could pick.
+Three steps, so that nothing a stop waits for is slower than it must be:
+
+* :meth:`Pipeline.dump` freezes the container, runs CRIU (through runc, always
+  leave-running) straight into a staging area on the store's filesystem and
+  captures the rootfs diff and the pod's /dev/shm while it is frozen. A
+  periodic or on-demand dump thaws it again; a stop keeps it frozen
+  (``keep_frozen``) for the caller, who kills it once the checkpoint is durable
+  or thaws it (:meth:`Pipeline.thaw`) and delivers the signal if it cannot be.
+* :meth:`Pipeline.publish` makes the checkpoint durable and visible: the raw
+  files fsynced and checksummed where CRIU wrote them, no compression.
+* :meth:`Pipeline.compact` compresses it later, in the background, niced.
+
+Anything that fails or is cancelled before publish leaves nothing a restore
+could pick.
 """
 
 from __future__ import annotations
@@ -31,6 +39,15 @@ from ..runtime.reaper import Reaper
 from ..runtime.runc import CheckpointOpts, Runc
 from . import criu_config
 from .gpu_steps import GpuDump, GpuSteps
+from .layers import (
+    CRIU_LAYER,
+    MEDIA_TYPES,
+    ROOTFS_LAYER,
+    SHM_LAYER,
+    mount_destinations,
+    shm_source,
+    spec_mounts,
+)
 from .netinfo import network_facts
 from .policy import Policy
 from .rootfs_diff import capture, capture_dir, upperdir_of
@@ -38,17 +55,6 @@ from .store import Entry, Ingest, Store
 
 log = logging.getLogger(__name__)
 
-CRIU_LAYER = "criu"
-ROOTFS_LAYER = "rootfs-diff"
-SHM_LAYER = "shm"
-MEDIA_TYPES = {
-    CRIU_LAYER: "application/vnd.cedana.checkpoint.criu.v1.tar+zstd",
-    ROOTFS_LAYER: "application/vnd.cedana.checkpoint.rootfs-diff.v1.tar+zstd",
-    SHM_LAYER: "application/vnd.cedana.checkpoint.shm.v1.tar+zstd",
-}
-# Container paths never captured from the writable layer: kernel filesystems
-# and everything runc bind-mounts in (their content is not the layer's).
-ALWAYS_EXCLUDED = ("/proc", "/sys", "/dev")
 METADATA_VERSION = 1
 STORE_FULL_BYTES = 16 << 20
 
@@ -68,26 +74,28 @@ class Target:
     runc: Runc
 
 
-def spec_mounts(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    return [m for m in spec.get("mounts") or [] if isinstance(m, Mapping)]
+@dataclass(frozen=True, slots=True)
+class DumpRequest:
+    """One checkpoint: why, and what becomes of the container around the dump."""
+
+    reason: str  # stop | periodic | manual | task-api
+    # Pause the container for the dump and the file capture, so memory and files are
+    # saved at the same instant (containerd's own checkpoint client pauses it itself).
+    freeze: bool = True
+    # Leave it frozen afterwards: a stop kills it once the checkpoint is durable.
+    keep_frozen: bool = False
+    # Also leave a copy of the CRIU images here (the Task API's checkpoint path, which
+    # containerd archives itself).
+    mirror_to: str = ""
 
 
-def excluded_paths(spec: Mapping[str, Any]) -> list[str]:
-    destinations = [str(m.get("destination", "")) for m in spec_mounts(spec)]
-    return sorted({*ALWAYS_EXCLUDED, *(d for d in destinations if d.startswith("/"))})
+@dataclass(eq=False)
+class Dump:
+    """A dump staged in the store, not yet durable."""
 
-
-def shm_source(spec: Mapping[str, Any]) -> str | None:
-    """The host directory behind the container's /dev/shm when it is a bind mount
-    (the CRI shares the sandbox's shm between a pod's containers); CRIU saves a
-    tmpfs it mounts itself, but not a bind mount's content."""
-    for m in spec_mounts(spec):
-        options = m.get("options") or []
-        if m.get("destination") == "/dev/shm" and ("bind" in options or "rbind" in options):
-            source = m.get("source")
-            if isinstance(source, str) and os.path.isdir(source):
-                return source
-    return None
+    ingest: Ingest
+    frozen: bool = False  # the container is still paused by us (keep_frozen)
+    gpu: GpuDump | None = None  # GPU state still in host memory (keep_frozen)
 
 
 @dataclass
@@ -129,22 +137,8 @@ class Pipeline:
         self.gpu = gpu
         self.versions = Versions()
 
-    async def dump(
-        self,
-        target: Target,
-        *,
-        reason: str,
-        leave_running: bool,
-        freeze: bool = False,
-        mirror_to: str = "",
-    ) -> Ingest:
-        """CRIU dump + rootfs diff into a staging area; the caller commits or aborts.
-
-        ``freeze`` pauses a container that keeps running for the dump and the
-        file capture, so memory and files are saved at the same instant.
-        ``mirror_to`` also leaves a copy of the CRIU images there (the Task API's
-        checkpoint path, which containerd archives itself).
-        """
+    async def dump(self, target: Target, request: DumpRequest) -> Dump:
+        """CRIU dump + rootfs diff into a staging area; the caller publishes or aborts."""
         started = time.monotonic()
         # Network facts and tool versions are gathered while CRIU dumps, not before:
         # pyroute2's import and two `--version` runs would otherwise delay the stop.
@@ -154,42 +148,36 @@ class Pipeline:
                 self.store.begin,
                 scope=target.policy.scope,
                 label=target.policy.label,
-                metadata=self._metadata(target, reason),
+                metadata=self._metadata(target, request.reason),
             )
         except BaseException:
             await _settle(context)
             raise
-        paused = False
+        dump = Dump(ingest)
         criu_dir = ingest.dir(CRIU_LAYER)
         # CRIU's work dir (its log) off the store's disk: when the store fills up, the
         # log must still say so.
         work_dir = os.path.join(target.bundle, "work", f"criu-dump-{ingest.id}")
         state: HookState | None = None
-        gpu: GpuDump | None = None
         try:
             # An operator's precheckpoint hook may veto: the container keeps running.
             state = HookState(
-                target.container_id,
-                target.bundle,
-                "running",
-                target.pid,
-                target.spec,
-                ingest.id,
-                criu_dir,
-            )
+                target.container_id, target.bundle, "running", target.pid, target.spec,
+                ingest.id, criu_dir,
+            )  # fmt: skip
             await self.hooks.run(Stage.PRECHECKPOINT, state)
             # GPU state into host memory first: a cgroup-frozen process cannot be locked.
-            gpu = await self.gpu.before_dump(target.container_id, target.spec, target.runc)
+            dump.gpu = await self.gpu.before_dump(target.container_id, target.spec, target.runc)
             criu_config.write(target.bundle, criu_config.dump_options(self.config))
-            if freeze and leave_running:
+            if request.freeze:
                 await target.runc.pause(target.container_id)
-                paused = True
+                dump.frozen = True
             await target.runc.checkpoint(
                 target.container_id,
                 CheckpointOpts(
                     image_path=criu_dir,
                     work_path=work_dir,
-                    leave_running=leave_running,
+                    leave_running=True,  # CRIU leaves a frozen container frozen
                     tcp_established=self.config.tcp_established,
                     ext_unix_sk=True,
                     file_locks=self.config.file_locks,
@@ -199,19 +187,14 @@ class Pipeline:
             dumped = time.monotonic()
             ingest.set_metadata(**await context)
             await asyncio.to_thread(self._capture_files, target, ingest)
-            if paused:
-                paused = False
-                await target.runc.resume(target.container_id)
-            if gpu is not None:
-                await self.gpu.after_dump(gpu, thaw_processes=leave_running)
-                ingest.set_metadata(gpu=gpu.metadata)
-                gpu = None
-            if mirror_to:
-                await asyncio.to_thread(_mirror, criu_dir, mirror_to)
-            await self.hooks.run(
-                Stage.POSTCHECKPOINT,
-                replace(state, status="running" if leave_running else "stopped", outcome="ok"),
-            )
+            if not request.keep_frozen:
+                await self.thaw(target, dump)
+            if dump.gpu is not None:
+                ingest.set_metadata(gpu=dump.gpu.metadata)
+            if request.mirror_to:
+                await asyncio.to_thread(_mirror, criu_dir, request.mirror_to)
+            status = "paused" if dump.frozen else "running"
+            await self.hooks.run(Stage.POSTCHECKPOINT, replace(state, status=status, outcome="ok"))
             ingest.add_dir_layer(CRIU_LAYER, criu_dir, MEDIA_TYPES[CRIU_LAYER])
             ingest.keep_raw(CRIU_LAYER)
             ingest.set_metadata(
@@ -220,15 +203,11 @@ class Pipeline:
                     "files_s": round(time.monotonic() - dumped, 3),
                 },
             )
-            return ingest
+            return dump
         except BaseException:
             await _settle(context)
-            if paused:
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(target.runc.resume(target.container_id))
-            if gpu is not None:  # the dump failed: the processes live on, give the GPU back
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self.gpu.after_dump(gpu, thaw_processes=True))
+            with contextlib.suppress(Exception):  # the dump failed: the processes live on
+                await asyncio.shield(self.thaw(target, dump))
             if state is not None:  # a started pre stage always gets its post stage
                 with contextlib.suppress(Exception):
                     await asyncio.shield(
@@ -248,11 +227,21 @@ class Pipeline:
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
 
+    async def thaw(self, target: Target, dump: Dump) -> None:
+        """Undo a dump's freeze: the cgroup first, then the GPU (CUDA needs the
+        process running to take its state back). Idempotent."""
+        if dump.frozen:
+            await target.runc.resume(target.container_id)
+            dump.frozen = False
+        if dump.gpu is not None and dump.gpu.frozen is not None:
+            await self.gpu.after_dump(dump.gpu, thaw_processes=True)
+            dump.gpu.frozen = None
+
     def _capture_files(self, target: Target, ingest: Ingest) -> None:
         upper = upperdir_of(target.rootfs)
         if upper is not None:
             path = os.path.join(ingest.path, "rootfs-diff.tar")
-            stats = capture(upper, path, exclude=excluded_paths(target.spec))
+            stats = capture(upper, path, exclude=mount_destinations(target.spec))
             ingest.add_file_layer(ROOTFS_LAYER, path, MEDIA_TYPES[ROOTFS_LAYER])
             ingest.set_metadata(
                 rootfs_diff={
@@ -272,13 +261,19 @@ class Pipeline:
             capture_dir(shm, path)
             ingest.add_file_layer(SHM_LAYER, path, MEDIA_TYPES[SHM_LAYER])
 
-    async def commit(self, ingest: Ingest) -> Entry:
+    async def publish(self, dump: Dump) -> Entry:
+        """Make the dump durable and visible (raw, fsynced, checksummed)."""
         try:
-            return await asyncio.to_thread(self.store.commit, ingest)
+            return await asyncio.shield(asyncio.to_thread(self.store.publish, dump.ingest))
         except BaseException:
             with contextlib.suppress(Exception):
-                await asyncio.shield(asyncio.to_thread(self.store.abort, ingest))
+                await asyncio.shield(asyncio.to_thread(self.store.abort, dump.ingest))
             raise
+
+    async def compact(self, checkpoint_id: str) -> Entry | None:
+        """Compress a published checkpoint (the store runs it niced: it competes with
+        the node's workloads)."""
+        return await asyncio.to_thread(self.store.compact, checkpoint_id)
 
     def _metadata(self, target: Target, reason: str) -> dict[str, Any]:
         policy = target.policy

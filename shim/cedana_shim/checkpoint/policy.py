@@ -27,6 +27,7 @@ from ..errors import InvalidArgument
 
 LABEL_MAX = 128
 MIN_INTERVAL = 10.0  # seconds; a dump every few seconds would do nothing but dump
+MAX_INTERVAL = 30 * 24 * 3600.0  # a month: anything longer is a typo
 ENV_LABEL = "CEDANA_CHECKPOINT"
 ENV_ENABLE = "CEDANA_ENABLE"
 ENV_INTERVAL = "CEDANA_CHECKPOINT_INTERVAL"
@@ -39,7 +40,9 @@ CRI_CONTAINER = "io.kubernetes.cri.container-name"
 CRI_IMAGE = "io.kubernetes.cri.image-name"
 TRUE_WORDS = {"1", "true", "yes", "on"}
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_DURATION = re.compile(r"(\d{1,9}(?:\.\d{1,9})?)(ms|s|m|h)")
+# Digits only: float() would also take "nan", "inf" and "1e400".
+_PLAIN_SECONDS = re.compile(r"\d{1,9}(?:\.\d{1,9})?")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -88,11 +91,12 @@ def validate_label(label: str, source: str) -> str:
 
 
 def parse_duration(text: str, source: str) -> float:
-    """Go-style durations (``90s``, ``10m``, ``1h30m``, ``500ms``) or plain seconds."""
+    """Go-style durations (``90s``, ``10m``, ``1h30m``, ``500ms``) or plain seconds,
+    between :data:`MIN_INTERVAL` and :data:`MAX_INTERVAL`."""
     value = text.strip()
-    try:
+    if _PLAIN_SECONDS.fullmatch(value):
         seconds = float(value)
-    except ValueError:
+    else:
         pos, seconds = 0, 0.0
         for match in _DURATION.finditer(value):
             if match.start() != pos:
@@ -104,10 +108,10 @@ def parse_duration(text: str, source: str) -> float:
                 f"checkpoint interval {text!r} (from {source}) is not a duration; "
                 "write e.g. 90s, 10m or 1h30m"
             ) from None
-    if seconds < MIN_INTERVAL:
+    if not MIN_INTERVAL <= seconds <= MAX_INTERVAL:
         raise InvalidArgument(
-            f"checkpoint interval {text!r} (from {source}) is under the minimum of "
-            f"{MIN_INTERVAL:g}s"
+            f"checkpoint interval {text!r} (from {source}) is out of range: use "
+            f"{MIN_INTERVAL:g}s to {MAX_INTERVAL / 86400:g} days"
         )
     return seconds
 
@@ -119,6 +123,30 @@ def environment(spec: Mapping[str, Any]) -> dict[str, str]:
             key, _, value = item.partition("=")
             env[key] = value
     return env
+
+
+def _setting(
+    env: Mapping[str, str], env_key: str, annotations: Mapping[str, Any], annotation: str
+) -> tuple[str, str] | None:
+    """(where it came from, value) of a setting given as env var or annotation.
+
+    Both at once with different values is refused: silently preferring one would
+    checkpoint under a label (or at an interval) the user did not mean.
+    """
+    from_env = env.get(env_key)
+    from_annotation = annotations.get(annotation)
+    if from_annotation is not None:
+        from_annotation = str(from_annotation)
+    if from_env is not None and from_annotation is not None and from_env != from_annotation:
+        raise InvalidArgument(
+            f"conflicting settings: env {env_key}={from_env!r} but annotation "
+            f"{annotation}={from_annotation!r}; set one of them, or both to the same value"
+        )
+    if from_env is not None:
+        return f"env {env_key}", from_env
+    if from_annotation is not None:
+        return f"annotation {annotation}", from_annotation
+    return None
 
 
 def policy_for(spec: Mapping[str, Any], container_id: str, containerd_namespace: str) -> Policy:
@@ -136,18 +164,12 @@ def policy_for(spec: Mapping[str, Any], container_id: str, containerd_namespace:
         "image": str(annotations.get(CRI_IMAGE, "")),
     }
     interval = None
-    for source, raw in (
-        (f"env {ENV_INTERVAL}", env.get(ENV_INTERVAL)),
-        (f"annotation {ANN_INTERVAL}", annotations.get(ANN_INTERVAL)),
-    ):
-        if raw:
-            interval = parse_duration(str(raw), source)
-            break
-    if ENV_LABEL in env:
-        label = validate_label(env[ENV_LABEL], f"env {ENV_LABEL}")
-        return Policy(Mode.AUTO, label, interval=interval, **identity)
-    if ANN_LABEL in annotations:
-        label = validate_label(str(annotations[ANN_LABEL]), f"annotation {ANN_LABEL}")
+    setting = _setting(env, ENV_INTERVAL, annotations, ANN_INTERVAL)
+    if setting is not None and setting[1]:
+        interval = parse_duration(setting[1], setting[0])
+    setting = _setting(env, ENV_LABEL, annotations, ANN_LABEL)
+    if setting is not None:
+        label = validate_label(setting[1], setting[0])
         return Policy(Mode.AUTO, label, interval=interval, **identity)
     if env.get(ENV_ENABLE, "").strip().lower() in TRUE_WORDS or interval is not None:
         # Manual checkpoints land under the container's own name.

@@ -1,44 +1,108 @@
-"""Choosing and preparing the checkpoint a new container resumes from.
+"""Restoring a container from its label's checkpoints: the one owner of that decision.
 
-The planner walks a label's checkpoints newest first. For each it verifies
-every blob, checks the checkpoint fits this node, unpacks the CRIU images into
-the bundle's work dir and applies the rootfs diff (and /dev/shm) to the new
-container's rootfs. The first that gets through becomes the :class:`RestorePlan`;
-each one skipped is recorded with its reason, so the log and the
-``/cedana/restore`` event say exactly why a container resumed from an older
-checkpoint, or started cold.
+:class:`RestoreSession` reads top to bottom, and every way out of it is here:
+
+1. ``prepare`` (at Create): wait, bounded, for checkpoints of the label still being
+   written on this node; list the label's checkpoints newest first (a store that
+   cannot be read means a cold start, said loudly); take the first candidate that
+   is undamaged, fits this node and its GPUs, verifies, and unpacks: CRIU images
+   (the raw images when the store has them, else extracted from the verified
+   blob), the rootfs diff and /dev/shm applied to the new container's rootfs.
+2. ``run`` (at Start): prerestore hooks (a failing one vetoes the candidate), CRIU
+   restore through the container (raw images are checked while CRIU reads them;
+   a gate holds the restored tasks until the verdict), the GPU state back,
+   postrestore hooks.
+3. Any failure: record why, undo the attempt, put the rootfs back, prepare the
+   next candidate. Raw images that fail their check are discarded and the same
+   checkpoint is tried again from its blob when it has one.
+4. No candidate left: a cold start.
+
+Each skipped candidate and the reason is recorded in the :class:`RestoreReport`
+that the task layer logs and publishes (``/cedana/restore``). The session drives
+the container only through :class:`RestoreHost`, so the same object serves any
+caller that can restore from a directory of CRIU images.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import platform
 import shutil
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
-from ..errors import ShimError
+from ..config import NodeConfig
+from ..errors import DataLoss, DeadlineExceeded, ShimError
+from ..hooks import HookRunner, HookState, Stage
+from . import criu_config
 from .gpu_steps import GpuSteps
+from .layers import CRIU_LAYER, ROOTFS_LAYER, SHM_LAYER, shm_source
 from .netinfo import same_addresses
-from .pipeline import CRIU_LAYER, ROOTFS_LAYER, SHM_LAYER, shm_source
+from .policy import Policy
 from .rootfs_diff import apply, apply_dir
 from .store import Entry, Store
 
 log = logging.getLogger(__name__)
 
 RESTORE_DIR = "cedana-restore"
+IN_FLIGHT_POLL = 0.1  # seconds between looks at checkpoints still being written
 
 
 @dataclass(frozen=True, slots=True)
-class RestorePlan:
+class RestoreRequest:
+    """One CRIU restore attempt, as the container runs it."""
+
+    image_dir: str
+    work_dir: str
+    tcp_established: bool
+    file_locks: bool
+    ext_unix_sk: bool = True
+
+
+class RestoreHost(Protocol):
+    """The container a session restores: the few things it needs done to it."""
+
+    @property
+    def container_id(self) -> str: ...
+    @property
+    def bundle(self) -> str: ...
+    @property
+    def rootfs(self) -> str: ...
+    @property
+    def spec(self) -> Mapping[str, Any]: ...
+
+    async def network_facts(self) -> Any: ...
+    async def restore_images(self, request: RestoreRequest) -> int:
+        """``runc restore`` from the images; the new init's pid."""
+        ...
+
+    async def pids(self) -> Sequence[int]: ...
+    async def discard_attempt(self) -> None:
+        """Kill and forget whatever a failed attempt left running or half-created."""
+        ...
+
+    async def reset_rootfs(self) -> None:
+        """The image's pristine rootfs again (a failed candidate's files gone)."""
+        ...
+
+    async def create_cold(self) -> int:
+        """Create and start the container from its image, as if never checkpointed."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
     entry: Entry
     image_dir: str
     work_dir: str
     keep_tcp: bool  # the pod kept its addresses: established connections can live
     gpu_device_map: Mapping[str, str] | None = None  # recorded GPU UUID -> this node's
-    cached: bool = False  # image_dir is the store's raw cache: verify while restoring
+    raw: bool = False  # image_dir is the store's raw images: checked while CRIU reads
 
     @property
     def gpu(self) -> Mapping[str, Any]:
@@ -48,20 +112,42 @@ class RestorePlan:
 
 
 @dataclass
-class Attempts:
-    """Why candidates were passed over, in order."""
+class RestoreReport:
+    """How a restore ended, for the log and the ``/cedana/restore`` event."""
 
-    skipped: list[str] = field(default_factory=list)
+    container_id: str
+    scope: str
+    label: str
+    checkpoint_id: str = ""  # empty for a cold start
+    skipped: list[str] = field(default_factory=list)  # "<id>: why", in order
+    store_problem: str = ""  # the store could not be read: started cold because of it
 
-    def add(self, entry: Entry, why: str) -> None:
-        self.skipped.append(f"{entry.id}: {why}")
+    @property
+    def outcome(self) -> str:
+        return "restored" if self.checkpoint_id else "cold"
 
-    def __str__(self) -> str:
-        return "; ".join(self.skipped) if self.skipped else "no checkpoint for this label"
+    @property
+    def detail(self) -> str:
+        reasons = [self.store_problem] if self.store_problem else []
+        reasons += self.skipped
+        if not reasons and not self.checkpoint_id:
+            return "no checkpoint for this label"
+        return "; ".join(reasons)
+
+    @property
+    def alarming(self) -> bool:
+        """Something was passed over or broken: worth a warning, not an info line."""
+        return bool(self.skipped or self.store_problem)
 
 
-def compatible(entry: Entry) -> str:
-    """Why this node cannot restore ``entry``; empty when it can."""
+class RawImagesBad(DataLoss):
+    """The raw images CRIU read are not what was checkpointed."""
+
+
+def unusable(entry: Entry) -> str:
+    """Why this node cannot restore ``entry`` at all; empty when it may try."""
+    if entry.damage is not None:
+        return f"damaged: {entry.damage}"
     versions = entry.metadata.get("versions")
     if not isinstance(versions, Mapping):
         return "the checkpoint records no tool versions"
@@ -71,76 +157,156 @@ def compatible(entry: Entry) -> str:
     return ""
 
 
-class Planner:
-    def __init__(self, store: Store, gpu: GpuSteps, container_id: str) -> None:
-        self.store = store
-        self.gpu = gpu
-        self.container_id = container_id
-
-    def prepare(
+class RestoreSession:
+    def __init__(
         self,
-        candidates: list[Entry],
         *,
-        bundle: str,
-        rootfs: str,
-        spec: Mapping[str, Any],
-        network: Any,
-        reset_rootfs: Callable[[], None],
-        attempts: Attempts,
-    ) -> tuple[RestorePlan | None, list[Entry]]:
-        """The first candidate that unpacks cleanly, and the ones left after it.
+        store: Store,
+        hooks: HookRunner,
+        gpu: GpuSteps,
+        config: NodeConfig,
+        policy: Policy,
+        container_id: str,
+        report: Callable[[RestoreReport], None],
+        writing_here: Callable[[str, str], bool] = lambda scope, label: False,
+    ) -> None:
+        self.store = store
+        self.hooks = hooks
+        self.gpu = gpu
+        self.config = config
+        self.policy = policy
+        self._report = report
+        self._writing_here = writing_here  # this daemon's own stops still dumping
+        self.result = RestoreReport(container_id, policy.scope, policy.label)
+        self._remaining: list[Entry] = []
+        self._raw_refused: set[str] = set()  # ids whose raw images failed their check
+        self.plan: Plan | None = None
 
-        Blocking (disk and CPU bound); the daemon runs it in a thread.
-        """
-        for index, entry in enumerate(candidates):
-            why = compatible(entry)
-            if why:
-                attempts.add(entry, why)
-                continue
-            work = os.path.join(bundle, "work", RESTORE_DIR, entry.id)
+    @property
+    def container_id(self) -> str:
+        return self.result.container_id
+
+    # -- Create: choose and unpack -------------------------------------------------
+
+    async def prepare(self, host: RestoreHost) -> bool:
+        """Unpack the first usable candidate into ``host``; False means start cold
+        (already reported: the caller just creates the container as usual)."""
+        self._remaining = await self._candidates()
+        self.plan = await self._prepare_next(host)
+        if self.plan is None:
+            self._finish()
+        return self.plan is not None
+
+    async def _candidates(self) -> list[Entry]:
+        scope, label = self.policy.scope, self.policy.label
+        await self._wait_for_writers(scope, label)
+        try:
+            return await asyncio.to_thread(self.store.candidates, scope, label)
+        except (ShimError, OSError) as err:
+            # A damaged store must never keep a container from running.
+            self.result.store_problem = f"checkpoint store unusable, starting cold: {err}"
+            return []
+
+    async def _wait_for_writers(self, scope: str, label: str) -> None:
+        """A checkpoint of this label still being written is the one to restore:
+        wait for it (bounded) rather than start from an older one, or cold."""
+        deadline = time.monotonic() + self.config.label_wait_timeout
+        started = time.monotonic()
+        while True:
             try:
-                device_map = self._gpu_mapping(entry, spec)
-                shutil.rmtree(work, ignore_errors=True)
-                os.makedirs(work, mode=0o700)
-                cached = self.store.raw_cache.lookup(
-                    entry.id, CRIU_LAYER, entry.layer(CRIU_LAYER).digest
+                writers = await asyncio.to_thread(self.store.in_flight, scope, label)
+            except (ShimError, OSError):
+                writers = []
+            here = self._writing_here(scope, label)
+            if not writers and not here:
+                break
+            if time.monotonic() >= deadline:
+                pending = ", ".join(writers) or "this node's stop"
+                self.result.skipped.append(
+                    f"{pending}: still being written after "
+                    f"{self.config.label_wait_timeout:g}s, not waited for"
                 )
-                if cached is not None:
-                    # Blobs present with their sizes now; the cached images' digests
-                    # are checked while CRIU restores (the container waits for both).
-                    self.store.verify(entry, deep=False)
-                    image_dir = cached
-                else:
-                    self.store.verify(entry)
-                    image_dir = os.path.join(work, "images")
-                    self.store.extract_layer(entry, CRIU_LAYER, image_dir)
-                names = {layer.name for layer in entry.layers}
-                if ROOTFS_LAYER in names:
-                    with self.store.open_layer(entry, ROOTFS_LAYER) as stream:
-                        apply(stream, rootfs)
-                shm = shm_source(spec)
-                if SHM_LAYER in names and shm is not None:
-                    with self.store.open_layer(entry, SHM_LAYER) as stream:
-                        apply_dir(stream, shm)
-            except (ShimError, OSError) as err:
-                attempts.add(entry, str(err))
-                log.warning(
-                    "skipping checkpoint", extra={"checkpoint": entry.id, "error": str(err)}
-                )
-                shutil.rmtree(work, ignore_errors=True)
-                reset_rootfs()
-                continue
-            keep_tcp = same_addresses(entry.metadata.get("network"), network)
-            plan = RestorePlan(
-                entry,
-                image_dir,
-                os.path.join(work, "criu-work"),
-                keep_tcp,
-                device_map,
-                cached=cached is not None,
+                return
+            await asyncio.sleep(IN_FLIGHT_POLL)
+        waited = time.monotonic() - started
+        if waited >= IN_FLIGHT_POLL:
+            log.info(
+                "waited for a checkpoint of the label being written",
+                extra={"container": self.container_id, "label": label, "waited_s": waited},
             )
-            return plan, candidates[index + 1 :]
-        return None, []
+
+    async def _prepare_next(self, host: RestoreHost) -> Plan | None:
+        network: Any = None
+        while self._remaining:
+            entry = self._remaining.pop(0)
+            why = unusable(entry)
+            if why:
+                self._skip(entry, why)
+                continue
+            if network is None:
+                network = await host.network_facts()
+            try:
+                return await asyncio.to_thread(self._unpack, entry, host, network)
+            except (ShimError, OSError) as err:
+                self._skip(entry, str(err))
+                await host.reset_rootfs()
+        return None
+
+    def _unpack(self, entry: Entry, host: RestoreHost, network: Any) -> Plan:
+        """Verify ``entry`` and lay it out for CRIU and the new rootfs. Blocking."""
+        work = os.path.join(host.bundle, "work", RESTORE_DIR, entry.id)
+        try:
+            device_map = self._gpu_mapping(entry, host.spec)
+            shutil.rmtree(work, ignore_errors=True)
+            os.makedirs(work, mode=0o700)
+            raw = None
+            if entry.id not in self._raw_refused:
+                raw = self.store.raw_images(entry, CRIU_LAYER)
+            if raw is not None:
+                # Blobs present with their sizes now; the raw images' checksums are
+                # checked while CRIU restores (the restored tasks wait for both).
+                self.store.verify(entry, deep=False)
+                image_dir = raw
+            else:
+                self.store.verify(entry)
+                image_dir = os.path.join(work, "images")
+                self.store.extract_layer(entry, CRIU_LAYER, image_dir)
+            self._apply_files(entry, host)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        return Plan(
+            entry,
+            image_dir,
+            os.path.join(work, "criu-work"),
+            keep_tcp=same_addresses(entry.metadata.get("network"), network),
+            gpu_device_map=device_map,
+            raw=raw is not None,
+        )
+
+    def _apply_files(self, entry: Entry, host: RestoreHost) -> None:
+        """The rootfs diff and /dev/shm, straight from the raw tar when the store
+        has one, else from the blob through a spool on the store's own disk."""
+        names = {layer.name for layer in entry.layers}
+        targets = [(ROOTFS_LAYER, host.rootfs, apply)]
+        shm = shm_source(host.spec)
+        if shm is not None:
+            targets.append((SHM_LAYER, shm, apply_dir))
+        for name, dest, apply_layer in targets:
+            if name not in names:
+                continue
+            raw_tar = self.store.layer_source(entry, name)
+            if raw_tar is not None:
+                with raw_tar:  # seekable: applied in place, no spool
+                    apply_layer(raw_tar, dest)
+                continue
+            with self.store.open_layer(entry, name) as stream:
+                apply_layer(
+                    stream,
+                    dest,
+                    spool_dir=self.store.spool_dir(),
+                    expected_bytes=entry.layer(name).raw_size,
+                )
 
     def _gpu_mapping(self, entry: Entry, spec: Mapping[str, Any]) -> dict[str, str] | None:
         recorded = entry.metadata.get("gpu")
@@ -148,7 +314,151 @@ class Planner:
             return None
         return self.gpu.restore_mapping(recorded, spec, self.container_id)
 
-    @staticmethod
-    def discard(plan: RestorePlan) -> None:
-        # The work dir only: a cached image dir belongs to the store.
-        shutil.rmtree(os.path.dirname(plan.work_dir), ignore_errors=True)
+    # -- Start: restore, fall back, or start cold ------------------------------------
+
+    async def run(self, host: RestoreHost) -> int:
+        """Restore the prepared candidate, then the next ones; cold when none is left.
+
+        Returns the init's pid. A cancellation (a Kill during the restore) passes
+        through after the attempt's gate was told to let nothing run.
+        """
+        plan = self.plan
+        while plan is not None:
+            try:
+                pid = await self._attempt(host, plan)
+            except RawImagesBad as bad:
+                self._skip(plan.entry, f"raw images discarded: {bad}")
+                await host.discard_attempt()
+                retry = await asyncio.to_thread(self._discard_raw, plan.entry)
+                if retry is not None:
+                    # Only the raw copy was bad: the blob of the same checkpoint is next.
+                    self._raw_refused.add(retry.id)
+                    self._remaining.insert(0, retry)
+            except (ShimError, OSError) as err:
+                self._skip(plan.entry, f"restore failed: {err}")
+                await host.discard_attempt()
+            else:
+                self.result.checkpoint_id = plan.entry.id
+                self._finish()
+                return pid
+            finally:
+                _discard_work(plan)
+            await host.reset_rootfs()
+            plan = self.plan = await self._prepare_next(host)
+        self._finish()
+        return await host.create_cold()
+
+    def _discard_raw(self, entry: Entry) -> Entry | None:
+        """Drop bad raw images; the checkpoint again if it has a blob to try instead
+        (it may have been compacted since it was planned)."""
+        self.store.discard_raw(entry)
+        try:
+            current = self.store.get(entry.id)
+        except (ShimError, OSError):
+            return None
+        return current if current.state == "compacted" else None
+
+    async def _attempt(self, host: RestoreHost, plan: Plan) -> int:
+        state = HookState(
+            self.container_id,
+            host.bundle,
+            "creating",
+            0,
+            host.spec,
+            plan.entry.id,
+            plan.image_dir,
+        )
+        await self.hooks.run(Stage.PRERESTORE, state)  # an operator's veto raises
+        try:
+            pid = await self._restore(host, plan)
+            if plan.gpu:
+                # Processes without their GPU state cannot run: the attempt failed.
+                await self.gpu.after_restore(
+                    self.container_id, await host.pids(), plan.gpu, plan.gpu_device_map
+                )
+        except BaseException:
+            with contextlib.suppress(Exception):  # post hooks report, never undo
+                await asyncio.shield(
+                    self.hooks.run(Stage.POSTRESTORE, replace(state, outcome="failed"))
+                )
+            raise
+        with contextlib.suppress(ShimError, OSError):
+            await self.hooks.run(
+                Stage.POSTRESTORE, replace(state, status="running", pid=pid, outcome="ok")
+            )
+        return pid
+
+    async def _restore(self, host: RestoreHost, plan: Plan) -> int:
+        gate = verdict = ""
+        if plan.raw:
+            gate, verdict = criu_config.write_gate(
+                os.path.dirname(plan.work_dir), self.config.restore_timeout
+            )
+        criu_config.write(
+            host.bundle,
+            criu_config.restore_options(self.config, keep_tcp=plan.keep_tcp, gate=gate),
+        )
+        checking = None
+        if plan.raw:
+            checking = asyncio.get_running_loop().create_task(self._check_raw(plan, verdict))
+        request = RestoreRequest(
+            image_dir=plan.image_dir,
+            work_dir=plan.work_dir,
+            tcp_established=plan.keep_tcp and self.config.tcp_established,
+            file_locks=self.config.file_locks,
+        )
+        try:
+            try:
+                async with asyncio.timeout(self.config.restore_timeout):
+                    pid = await host.restore_images(request)
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"CRIU did not finish within restore_timeout ({self.config.restore_timeout:g}s)"
+                ) from None
+        except asyncio.CancelledError:
+            if checking is not None:  # its verdict lets nothing of the attempt run
+                checking.cancel()
+                with contextlib.suppress(BaseException):
+                    await checking
+            raise
+        except BaseException as failure:
+            if checking is not None:
+                # CRIU failing at the gate is the check's doing: say so (the blob is next).
+                try:
+                    await checking
+                except RawImagesBad as bad:
+                    raise bad from failure
+                except BaseException:
+                    pass
+            raise
+        if checking is not None:
+            await checking  # RawImagesBad: whatever CRIU made of them must not run
+        return pid
+
+    async def _check_raw(self, plan: Plan, verdict: str) -> None:
+        try:
+            await asyncio.to_thread(self.store.verify_raw, plan.entry, CRIU_LAYER)
+        except BaseException as err:
+            with contextlib.suppress(OSError):
+                criu_config.give_verdict(verdict, ok=False)
+            if isinstance(err, DataLoss):
+                raise RawImagesBad(str(err)) from err
+            raise
+        criu_config.give_verdict(verdict, ok=True)
+
+    # -- bookkeeping --------------------------------------------------------------
+
+    def _skip(self, entry: Entry, why: str) -> None:
+        self.result.skipped.append(f"{entry.id}: {why}")
+        log.warning(
+            "skipping checkpoint",
+            extra={"container": self.container_id, "checkpoint": entry.id, "error": why},
+        )
+
+    def _finish(self) -> None:
+        self._report(self.result)
+
+
+def _discard_work(plan: Plan) -> None:
+    # The work dir only: raw images belong to the store.
+    shutil.rmtree(os.path.dirname(plan.work_dir), ignore_errors=True)

@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints",
         parents=[common],
         formatter_class=_Formatter,
-        help="list, inspect, remove and prune stored checkpoints",
+        help="list, inspect, remove, prune and repair stored checkpoints",
         description=(
             "Work with the checkpoints in this node's store. NAMESPACE is the scope of a\n"
             "label: the pod's Kubernetes namespace, or the containerd namespace outside\n"
@@ -196,11 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
         help="list checkpoints, newest first",
         description=(
-            "List checkpoints, newest first. The table's STATUS column names damage\n"
-            "found while listing (a missing or corrupt manifest/config); layer blobs\n"
-            "are checked by `inspect --verify`.\n"
+            "List checkpoints, newest first. STATE is raw (durable, not yet compressed)\n"
+            "or compacted; RAW is the uncompressed images kept for it (a raw checkpoint,\n"
+            "or the cache of the newest one of its label). STATUS names damage found\n"
+            "cheaply while listing: a missing or corrupt manifest/config, a missing or\n"
+            "truncated blob or raw file (sizes only); `inspect --verify` checks digests.\n"
             "--json prints a JSON array; each item has id, namespace, label, container,\n"
-            "created (RFC 3339) and size (bytes), plus layers and more."
+            "created (RFC 3339), size (bytes), state and rawBytes, plus layers and more."
         ),
     )
     ls.add_argument("-n", "--namespace", metavar="NS", help="only this namespace (label scope)")
@@ -268,6 +270,22 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--gc", action="store_true", help="also free unreferenced data; report bytes")
     pr.add_argument("--json", action="store_true", help="print what was removed as JSON")
     pr.set_defaults(handler=_handler("prune"))
+
+    rp = sub.add_parser(
+        "repair",
+        parents=[common],
+        formatter_class=_Formatter,
+        help="rebuild a damaged or missing index.json",
+        description=(
+            "Rebuild the store's index.json from the checkpoints' blobs and raw files when\n"
+            "it is missing or damaged (the damaged file is kept as\n"
+            "index.json.damaged-<time>). Prints what was recovered and what was dropped,\n"
+            "and why. An intact index is left alone. Shims repair a damaged index by\n"
+            "themselves the next time they write a checkpoint."
+        ),
+    )
+    rp.add_argument("--json", action="store_true", help="print the report as JSON")
+    rp.set_defaults(handler=_handler("repair"))
     return parser
 
 

@@ -87,7 +87,7 @@ def format_relative(then: datetime, now: datetime) -> str:
 
 
 def parse_rfc3339(value: str) -> datetime | None:
-    from cedana_shim.checkpoint.layout import parse_created
+    from cedana_shim.checkpoint.store.layout import parse_created
 
     return parse_created(value)
 

@@ -1,4 +1,4 @@
-"""``cedana checkpoints ...``: list, inspect, remove and prune what is in the store."""
+"""``cedana checkpoints ...``: list, inspect, remove, prune and repair what is in the store."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from .admin_common import (
 )
 
 if TYPE_CHECKING:
-    from cedana_shim.checkpoint.store import Entry, Store
+    from cedana_shim.checkpoint.store import Entry, RepairReport, Store
 
 # Keys of the checkpoint config that `inspect` shows in their own sections; any
 # other key is printed under "Other metadata" so nothing is ever hidden.
@@ -38,6 +38,10 @@ _SHOWN_KEYS = frozenset(
     }
 )  # fmt: skip
 _VERSION_ORDER = ("shim", "runc", "criu", "kernel", "arch")
+_STATES = {
+    "raw": "raw (uncompressed, compaction pending)",
+    "compacted": "compacted (tar+zstd blobs)",
+}
 DEFAULT_CONFIG = "/etc/cedana/shim.toml"
 
 
@@ -96,7 +100,7 @@ def open_store(args: argparse.Namespace) -> Store:
 
 def resolve_id(store: Store, text: str) -> str:
     """A full checkpoint id, or the one id that starts with ``text``."""
-    from cedana_shim.checkpoint.layout import check_checkpoint_id
+    from cedana_shim.checkpoint.store.layout import check_checkpoint_id
 
     if check_checkpoint_id(text) is None:
         return text
@@ -127,8 +131,11 @@ def _write_json(value: Any) -> None:
 # -- list ------------------------------------------------------------------------------------
 
 
-def list_item(entry: Entry) -> dict[str, Any]:
-    """One item of ``cedana checkpoints list --json`` (DESIGN.md "Contract")."""
+def list_item(entry: Entry, damage: str | None = None) -> dict[str, Any]:
+    """One item of ``cedana checkpoints list --json`` (DESIGN.md "Contract").
+
+    ``damage``: what a cheap check found (see quick_damage), if not entry.damage.
+    """
     meta = entry.metadata
     item: dict[str, Any] = {
         "id": entry.id,
@@ -140,19 +147,48 @@ def list_item(entry: Entry) -> dict[str, Any]:
     }
     for key, value in entry.to_json().items():
         item.setdefault(key, value)
+    if damage is not None:
+        item["damage"] = damage
     for key in ("containerId", "containerdNamespace", "pod", "image", "reason"):
         item.setdefault(key, meta.get(key))
     return item
 
 
-def _status(entry: Entry) -> str:
-    if entry.damage is None:
+def quick_damage(store: Store, entry: Entry) -> str | None:
+    """What is known cheaply to be wrong with ``entry``: an unreadable manifest or
+    config, a blob or raw file missing or of the wrong size (no hashing)."""
+    if entry.damage is not None:
+        return entry.damage
+    try:
+        store.verify(entry, deep=False)
+    except errors.DataLoss as err:
+        return str(err)
+    return None
+
+
+def _status(entry: Entry, damage: str | None) -> str:
+    if damage is None:
         return "-"
-    return "damaged: " + entry.damage.removeprefix(f"checkpoint {entry.id}: ")
+    for prefix in (f"checkpoint {entry.id} is damaged: ", f"checkpoint {entry.id}: "):
+        damage = damage.removeprefix(prefix)
+    return "damaged: " + damage
 
 
-def list_table(entries: list[Entry], now: datetime) -> str:
-    headers = ("ID", "NAMESPACE", "LABEL", "CONTAINER", "CREATED", "SIZE", "STATUS")
+def _raw(entry: Entry) -> str:
+    return human_size(entry.raw_bytes) if entry.raw_bytes else "-"
+
+
+def _raw_images(entry: Entry) -> str:
+    if not entry.raw_bytes:
+        return "-"
+    what = "its files" if entry.state == "raw" else "raw-image cache for fast restores"
+    return f"{human_size(entry.raw_bytes)} ({entry.raw_bytes} bytes) kept: {what}"
+
+
+def list_table(entries: list[tuple[Entry, str | None]], now: datetime) -> str:
+    headers = (
+        "ID", "NAMESPACE", "LABEL", "CONTAINER", "CREATED", "SIZE", "RAW", "STATE", "STATUS",
+    )  # fmt: skip
     rows = [
         (
             e.id,
@@ -161,9 +197,11 @@ def list_table(entries: list[Entry], now: datetime) -> str:
             str(e.metadata.get("container") or "-"),
             format_local(e.created, now),
             human_size(e.size),
-            _status(e),
+            _raw(e),
+            e.state if e.damage is None else "-",
+            _status(e, damage),
         )
-        for e in entries
+        for e, damage in entries
     ]
     return render_table(headers, rows)
 
@@ -171,17 +209,19 @@ def list_table(entries: list[Entry], now: datetime) -> str:
 def cmd_list(args: argparse.Namespace) -> int:
     store = open_store(args)
     entries = store.list(scope=args.namespace, label=args.label)
-    if args.json:
-        _write_json([list_item(e) for e in entries])
-    elif args.quiet:
+    if args.quiet:
         sys.stdout.write("".join(f"{e.id}\n" for e in entries))
+        return 0
+    checked = [(e, quick_damage(store, e)) for e in entries]
+    if args.json:
+        _write_json([list_item(e, damage) for e, damage in checked])
     elif not entries:
         where = ", ".join(
             f"{k} {v}" for k, v in (("namespace", args.namespace), ("label", args.label)) if v
         )
         sys.stderr.write(f"No checkpoints in {store.root}{f' ({where})' if where else ''}.\n")
     else:
-        sys.stdout.write(list_table(entries, utcnow()))
+        sys.stdout.write(list_table(checked, utcnow()))
     return 0
 
 
@@ -240,7 +280,8 @@ def _task(meta: Mapping[str, Any]) -> str:
     return task
 
 
-def inspect_text(entry: Entry, now: datetime, verify_error: str | None, verified: bool) -> str:
+def _fields(entry: Entry, now: datetime) -> list[tuple[str, str]]:
+    """The fields `inspect` shows first, each on its own line."""
     meta = entry.metadata
     raw = sum(x.raw_size for x in entry.layers)
     fields: list[tuple[str, str]] = [
@@ -258,6 +299,15 @@ def inspect_text(entry: Entry, now: datetime, verify_error: str | None, verified
         ("Manifest", entry.manifest_digest),
         ("Status", "damaged: " + entry.damage if entry.damage else "committed"),
     ]
+    if entry.damage is None:
+        fields.append(("State", _STATES[entry.state]))
+        fields.append(("Raw", _raw_images(entry)))
+    return fields
+
+
+def inspect_text(entry: Entry, now: datetime, verify_error: str | None, verified: bool) -> str:
+    meta = entry.metadata
+    fields = _fields(entry, now)
     if "terminal" in meta:
         fields.append(("Terminal", "yes" if meta.get("terminal") else "no"))
     timings = meta.get("timings")
@@ -289,9 +339,15 @@ def inspect_text(entry: Entry, now: datetime, verify_error: str | None, verified
         lines.append(
             f"{verify_key}FAILED: {verify_error}"
             if verify_error
-            else f"{verify_key}OK (manifest, config and {len(entry.layers)} layer blob(s) intact)"
+            else f"{verify_key}OK (manifest, config and {_what_verified(entry)})"
         )
     return "\n".join(lines) + "\n"
+
+
+def _what_verified(entry: Entry) -> str:
+    if entry.state == "raw":
+        return f"{len(entry.layers)} raw layer(s): every file's size and CRC-32 intact"
+    return f"{len(entry.layers)} layer blob(s) intact"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -373,4 +429,33 @@ def cmd_prune(args: argparse.Namespace) -> int:
         sys.stdout.write(
             f"gc: freed {human_size(freed)} ({freed} bytes) of unreferenced blobs and stale files\n"
         )
+    return 0
+
+
+# -- repair ----------------------------------------------------------------------------------
+
+
+def repair_text(report: RepairReport) -> str:
+    if not report.rebuilt:
+        return f"{report.index_path} is intact: nothing to repair\n"
+    lines = [f"rebuilt {report.index_path} ({report.reason})"]
+    if report.damaged_copy is not None:
+        lines.append(f"the damaged index was kept as {report.damaged_copy}")
+    lines += [f"recovered {cid} ({state})" for cid, state in report.recovered]
+    lines += [f"dropped {what}: {why}" for what, why in report.dropped]
+    noun = "checkpoint" if len(report.recovered) == 1 else "checkpoints"
+    lines.append(f"recovered {len(report.recovered)} {noun}, dropped {len(report.dropped)}")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_repair(args: argparse.Namespace) -> int:
+    """Rebuild index.json from the blobs and raw files if it is missing or damaged."""
+    store = open_store(args)
+    report = store.repair()
+    if not report.rebuilt and store.last_repair is not None:
+        report = store.last_repair  # a missing index is rebuilt as the store opens
+    if args.json:
+        _write_json(report.to_json())
+    else:
+        sys.stdout.write(repair_text(report))
     return 0

@@ -14,19 +14,23 @@ import signal
 import socket
 
 from .. import log as shim_log
+from ..errors import ShimError
 from ..runtime.reaper import Reaper, set_child_subreaper
+from ..task.checkpointing import CheckpointManager
 from ..task.events import Publisher
 from ..task.oom import OomWatcher
 from ..task.options import decode_start_stdin, parse_runtime_options
+from ..task.runc_factory import bundle_runc
 from ..task.service import CEDANA_SERVICE_NAME, SERVICE_NAME, TaskService
 from ..ttrpc.server import Server
 from .args import ShimArgs
+from .wiring import NodePipelines
 
 log = logging.getLogger(__name__)
 
 LISTENER_FD = 3
 SHUTDOWN_GRACE = 2.0
-COMMIT_DRAIN_TIMEOUT = 600.0  # a stopped container's checkpoint may still be compressing
+COMPACT_DRAIN_TIMEOUT = 600.0  # a stopped container's checkpoint may still be compressing
 
 
 def run_daemon(args: ShimArgs, start_stdin: bytes) -> int:
@@ -72,6 +76,13 @@ async def _serve(args: ShimArgs, start_stdin: bytes) -> int:
     loop = asyncio.get_running_loop()
     reaper = Reaper(loop)
     reaper.install()
+    pipelines = NodePipelines(reaper)
+    try:
+        # Lines logged after containerd stopped reading this shim's log (a compaction
+        # after the last task was deleted) still land somewhere.
+        shim_log.add_node_log(pipelines.config("").log_file)
+    except ShimError as err:
+        log.warning("node config unreadable: no node log file", extra={"error": str(err)})
     try:
         options = parse_runtime_options(decode_start_stdin(start_stdin, args.id))
         if options.shim_cgroup:
@@ -83,9 +94,17 @@ async def _serve(args: ShimArgs, start_stdin: bytes) -> int:
     publisher = Publisher(ttrpc_address, args.namespace)
     publisher.start()
     stop = asyncio.Event()
+    # The composition root: everything the service uses is built here, once.
+    checkpoints = CheckpointManager(publisher, pipelines)
     async with OomWatcher(lambda container_id: service.publish_oom(container_id)) as oom:
         service = TaskService(
-            args.namespace, publisher, reaper, debug=args.debug, oom=oom, on_shutdown=stop.set
+            args.namespace,
+            publisher,
+            reaper,
+            checkpoints=checkpoints,
+            runc_factory=bundle_runc(reaper, debug=args.debug),
+            oom=oom,
+            on_shutdown=stop.set,
         )
         server = Server(
             {SERVICE_NAME: service.methods(), CEDANA_SERVICE_NAME: service.cedana_methods()}
@@ -103,7 +122,7 @@ async def _serve(args: ShimArgs, start_stdin: bytes) -> int:
         serving.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await serving
-        await service.drain(COMMIT_DRAIN_TIMEOUT)
+        await checkpoints.drain(COMPACT_DRAIN_TIMEOUT)
     if isinstance(socket_path, str) and socket_path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(socket_path)

@@ -5,18 +5,42 @@ normal task delete, when the daemon died, after a containerd restart that
 found no daemon, and when a Create failed. So it is idempotent, touches only
 container ``-id`` (the pod's daemon may serve others), never talks to the
 daemon, and must finish well inside containerd's 5 s cleanup timeout.
+
+A daemon that died mid-restore leaves ``runc restore`` running: runc would
+finish the restore on its own, after ``runc delete`` found nothing to delete
+(runc writes the container's state at the end of a restore), and the container
+would run outside containerd. So that restore is killed first: runc's process
+group (runc, CRIU, CRIU's scripts) and the tasks CRIU restored, which CRIU's
+death alone leaves behind (:mod:`cedana_shim.runtime.pgroup`). Then the rootfs
+runc bound for CRIU is unmounted, and only then does ``runc delete`` remove
+runc's state dir.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
-from ..bundle_state import BundleState, read_deleted
+from ..bundle_state import (
+    BundleState,
+    clear_restoring,
+    clear_stopping,
+    criu_root,
+    read_deleted,
+    read_restoring,
+    read_stopping,
+)
 from ..wire import delete_response
 from .args import ShimArgs
 
 RUNC_DELETE_TIMEOUT = 3.0
+# SIGKILLed processes are gone in milliseconds; one stuck in the kernel must not
+# take containerd's whole cleanup budget (runc delete needs its share).
+RESTORE_KILL_TIMEOUT = 1.0
+# How long an application whose stop checkpoint died with the daemon gets to handle its
+# signal before the forced delete (containerd gives the whole command 5 s).
+STOP_GRACE = 1.5
 KILLED_STATUS = 128 + 9
 
 
@@ -95,6 +119,80 @@ def _read_pid(bundle: str) -> int:
         return 0
 
 
+def _stop_restore(bundle: str, container_id: str) -> None:
+    """Kill the ``runc restore`` a dead daemon left running, if any."""
+    record = read_restoring(bundle)
+    if record is None:
+        return
+    from ..runtime.pgroup import kill_restore
+
+    pgid, leader_start = record
+    if kill_restore(pgid, leader_start, RESTORE_KILL_TIMEOUT):
+        clear_restoring(bundle)
+        return
+    sys.stderr.write(
+        f"container {container_id}: the runc restore in process group {pgid} still runs "
+        f"{RESTORE_KILL_TIMEOUT:g}s after SIGKILL (stuck in the kernel?); see `pgrep -a -g "
+        f"{pgid}`, and once it is gone run `runc delete --force {container_id}`\n"
+    )
+
+
+def _finish_stop(state: BundleState, bundle: str, container_id: str) -> None:
+    """The daemon died while it checkpointed a stopping container, which it had frozen:
+    with no durable checkpoint, the application gets its stop signal after all (and
+    a short grace) before the forced delete, as it would have without us."""
+    sig = read_stopping(bundle)
+    if sig is None:
+        return
+    runc = [state.runc_binary, "--root", state.runc_root]
+    if state.systemd_cgroup:
+        runc.append("--systemd-cgroup")
+    try:
+        _run([*runc, "resume", container_id], RUNC_DELETE_TIMEOUT)
+        _run([*runc, "kill", container_id, str(sig)], RUNC_DELETE_TIMEOUT)
+    except OSError as err:
+        sys.stderr.write(f"container {container_id}: delivering signal {sig}: {err}\n")
+        return
+    pid = _read_pid(bundle)
+    deadline = time.monotonic() + STOP_GRACE
+    while pid > 0 and time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.02)
+    clear_stopping(bundle)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _unmount(paths: list[str], container_id: str) -> None:
+    from ..runtime.unmount import unmount_all
+
+    for path in paths:
+        try:
+            unmount_all(path)
+        except Exception as err:  # any failure here is a warning for containerd's log
+            sys.stderr.write(f"unmount {path} of container {container_id}: {err}\n")
+
+
+def _remove_dead_socket(bundle: str) -> None:
+    """The pod's socket, when no daemon listens on it any more (a killed daemon
+    cannot remove it; a live one, serving other containers, keeps it)."""
+    try:
+        with open(os.path.join(bundle, "address")) as f:
+            address = f.read().strip()
+    except OSError:
+        return
+    if not address.startswith("unix:///"):
+        return
+    from .fork_client import remove_if_refused
+
+    remove_if_refused(address.removeprefix("unix://"))
+
+
 def run_delete(args: ShimArgs) -> int:
     bundle = args.bundle or os.getcwd()
     done = read_deleted(bundle)
@@ -104,17 +202,18 @@ def run_delete(args: ShimArgs) -> int:
         sys.stdout.flush()
         return 0
     state = BundleState.load(bundle, args.namespace)
+    _stop_restore(bundle, args.id)
+    _finish_stop(state, bundle, args.id)
+    # Before runc delete, which removes runc's state dir, through any mount in it.
+    _unmount([criu_root(state.runc_root, args.id)], args.id)
     problem = _runc_delete(state, args.id)
     if problem:
         sys.stderr.write(f"runc delete of container {args.id}: {problem}\n")
-    from ..runtime.unmount import unmount_all
-
     # The rootfs, and anything a killed CRIU left mounted in the work dir.
-    for path in (os.path.join(bundle, "rootfs"), os.path.realpath(os.path.join(bundle, "work"))):
-        try:
-            unmount_all(path)
-        except Exception as err:  # any failure here is a warning for containerd's log
-            sys.stderr.write(f"unmount {path} of container {args.id}: {err}\n")
+    _unmount(
+        [os.path.join(bundle, "rootfs"), os.path.realpath(os.path.join(bundle, "work"))], args.id
+    )
+    _remove_dead_socket(bundle)
     sys.stdout.buffer.write(delete_response(_read_pid(bundle), KILLED_STATUS))
     sys.stdout.flush()
     return 0

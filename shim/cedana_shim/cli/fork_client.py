@@ -10,20 +10,28 @@ listener fd attached (SCM_RIGHTS), one request frame — ``MAGIC``, a u32 count
 of strings, each string as u32 length + UTF-8 (surrogateescape) bytes:
 ``cwd, argc, *argv, *env as KEY=VALUE`` — then the raw ``start`` stdin until it
 shuts down its write side. The server answers ``pid <N>`` or ``error <text>``.
+A newer server sends ``CHECK_MAGIC`` alone instead: the server answers
+``current``, or ``retiring`` and exits, when its code is no longer installed.
 """
 
 from __future__ import annotations
 
 import _socket
 import _struct
+import errno
 import os
 import sys
+import time
 
 TYPE_CHECKING = False  # collections.abc costs ~1.5 ms: start/delete are hot
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
 MAGIC = b"CDNFS1\0"
+CHECK_MAGIC = b"CDNFS1-check\0"
+# A unix socket bound this recently may still be on its way to listen(): never
+# taken for a dead one.
+STALE_SOCKET_AGE = 2.0
 CONNECT_TIMEOUT = 0.5
 REPLY_TIMEOUT = 5.0
 U32 = _struct.Struct(">I")
@@ -85,6 +93,39 @@ def answers(path: str, timeout: float = CONNECT_TIMEOUT) -> bool:
         probe.close()
 
 
+def remove_if_refused(path: str) -> bool:
+    """Remove the unix socket at ``path`` if nothing listens on it; True if removed.
+
+    Only a refused connection counts (a busy listener with a full backlog keeps
+    its socket), and only for a socket bound more than ``STALE_SOCKET_AGE``
+    seconds ago (a fresh one may be between bind() and listen()). The file is
+    removed only if it is still the one that refused.
+    """
+    try:
+        before = os.stat(path)
+    except OSError:
+        return False
+    if time.time() - before.st_ctime < STALE_SOCKET_AGE:
+        return False
+    probe = unix_socket()
+    probe.settimeout(CONNECT_TIMEOUT)
+    try:
+        probe.connect(path)
+        return False
+    except OSError as err:
+        if err.errno != errno.ECONNREFUSED:
+            return False
+    finally:
+        probe.close()
+    try:
+        if os.stat(path).st_ino != before.st_ino:
+            return False
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
 def read_all(conn: _socket.socket, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
@@ -130,13 +171,30 @@ def request_fork(
     raise ForkServerUnavailable(rest if word == "error" else f"bad reply {reply[:100]!r}")
 
 
+# Bytes of command line the server's daemons can show as their titles (see
+# proctitle): a title can only reuse the argv area it was started with.
+TITLE_ROOM = 512
+# The server imports exactly what this process imports, however it was started (the
+# node's launcher runs `python -IS` with a path of its own): isolated, no site, and
+# this process's sys.path. Otherwise it could run other code than its socket names.
+SERVER_BOOTSTRAP = (
+    "import os, sys; sys.path[:] = sys.argv[2].split(os.pathsep); "
+    "from cedana_shim.cli.forkserver import serve; sys.exit(serve(sys.argv[1]))"
+)
+
+
 def spawn_server(path: str) -> None:
     """Start a fork server in the background, detached from the caller."""
+    search = os.pathsep.join(entry for entry in sys.path if entry)
+    argv = [sys.executable, "-IS", "-c", SERVER_BOOTSTRAP, path, search]
+    room = TITLE_ROOM - sum(len(arg.encode()) + 1 for arg in argv)
+    if room > 1:
+        argv.append(" " * (room - 1))  # ignored by the server; blank in `ps` until retitled
     devnull = os.open(os.devnull, os.O_RDWR)
     try:
         os.posix_spawn(
             sys.executable,
-            [sys.executable, "-m", "cedana_shim.cli.forkserver", path],
+            argv,
             dict(os.environ),
             file_actions=[(os.POSIX_SPAWN_DUP2, devnull, fd) for fd in (0, 1, 2)],
             setsid=True,

@@ -10,8 +10,24 @@ then starts one in the background for the next container.
 The client side and the wire format are in :mod:`.fork_client`, which
 ``start`` imports without this module's heavier imports.
 
-The server stays single-threaded (forking a threaded process is unsafe) and
-exits after ``CEDANA_FORKSERVER_IDLE`` seconds (default 3600) without requests.
+``ps`` shows the server as ``containerd-shim-cedana-v2 template`` and each
+daemon it forks under containerd's usual shim command line (:mod:`.proctitle`).
+
+Lifecycle. The server stays single-threaded (forking a threaded process is
+unsafe) and handles one request at a time, so whatever ends it takes effect
+between requests, never while it forks a daemon. It serves on
+``forkserver-<code fingerprint>.sock`` and exits, removing that socket (if it is
+still its own):
+
+- after ``CEDANA_FORKSERVER_IDLE`` seconds (default 3600) without requests;
+- once its code is no longer what is installed (an upgrade, a reinstall): a new
+  server asks every other one in the run dir to check itself as soon as it
+  listens, and an idle server checks on its own every ``CURRENCY_CHECK`` seconds.
+  Servers of another install that is still on disk stay;
+- on SIGTERM, SIGINT or SIGHUP.
+
+A new server also removes the sockets in the run dir that nothing listens on
+(servers and daemons that were SIGKILLed cannot remove their own).
 """
 
 from __future__ import annotations
@@ -23,20 +39,34 @@ import signal
 import socket
 import struct
 import sys
+import time
 from collections.abc import Mapping
 
 from .args import ShimArgs, UsageError, parse_args
-from .fork_client import answers, decode_request, read_all
+from .fork_client import (
+    CHECK_MAGIC,
+    REPLY_TIMEOUT,
+    answers,
+    decode_request,
+    read_all,
+    remove_if_refused,
+    unix_socket,
+)
+from .proctitle import SHIM_NAME, daemon_title, set_name, set_title
 
 TYPE_CHECKING = False  # typing costs ~10 ms of import on the start path
 if TYPE_CHECKING:
+    from types import FrameType
     from typing import NoReturn
 
 REQUEST_LIMIT = 16 << 20
 IDLE_DEFAULT = 3600.0
+CURRENCY_CHECK = 60.0
+SOCKET_PREFIX, SOCKET_SUFFIX = "forkserver-", ".sock"
+TEMPLATE_NAME = "cedana-template"  # comm: not counted by `pgrep containerd-shim`
 
 
-def become_daemon(listener_fd: int, cwd: str, env: Mapping[str, str]) -> None:
+def become_daemon(listener_fd: int, cwd: str, env: Mapping[str, str], args: ShimArgs) -> None:
     """Detach the current (freshly forked) process and give it the shim's fd layout."""
     os.setsid()
     os.chdir(cwd)
@@ -54,16 +84,9 @@ def become_daemon(listener_fd: int, cwd: str, env: Mapping[str, str]) -> None:
         os.close(devnull)
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
-    # What `pgrep containerd-shim` finds, as with the runc shim (comm is 15 bytes).
-    set_process_name("containerd-shim")
-
-
-def set_process_name(name: str) -> None:
-    try:
-        with open("/proc/self/comm", "w") as f:
-            f.write(name[:15])
-    except OSError:
-        pass
+    # What `ps` and `pgrep containerd-shim` find, as with the runc shim.
+    set_title(daemon_title(args))
+    set_name(SHIM_NAME)
 
 
 def run_forked_daemon(
@@ -72,7 +95,7 @@ def run_forked_daemon(
     """Body of a freshly forked daemon; never returns."""
     code = 1
     try:
-        become_daemon(listener_fd, cwd, env)
+        become_daemon(listener_fd, cwd, env, args)
         from .daemon import run_daemon
 
         code = run_daemon(args, stdin)
@@ -103,13 +126,34 @@ def _report_crash(args: ShimArgs) -> None:
         os.write(fd, line.encode() + b"\n")
 
 
-def _serve_one(server: socket.socket, conn: socket.socket) -> None:
+class _Lifecycle:
+    """A stop signal ends the server between requests, never while it forks: a start
+    left without its reply would fork a second daemon for the same socket."""
+
+    busy = False
+    stop_requested = False
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.busy:
+            self.stop_requested = True
+        else:
+            raise SystemExit(0)
+
+
+def _serve_one(server: socket.socket, conn: socket.socket, fingerprint: str) -> bool:
+    """Answer one request; True when this server must retire."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _, uid, _ = struct.unpack("3i", creds)
     if uid != os.geteuid():
-        return
+        return False
     conn.settimeout(5.0)
     first, fds, _, _ = socket.recv_fds(conn, 65536, 4)
+    if first.startswith(CHECK_MAGIC):
+        for fd in fds:
+            os.close(fd)
+        current = is_current(fingerprint)
+        conn.sendall(b"current" if current else b"retiring")
+        return not current
     try:
         if len(fds) != 1:
             raise ValueError(f"expected one listener fd, got {len(fds)}")
@@ -119,7 +163,7 @@ def _serve_one(server: socket.socket, conn: socket.socket) -> None:
         conn.sendall(f"error bad request: {err}".encode())
         for fd in fds:
             os.close(fd)
-        return
+        return False
     pid = os.fork()
     if pid == 0:
         server.close()
@@ -127,6 +171,83 @@ def _serve_one(server: socket.socket, conn: socket.socket) -> None:
         run_forked_daemon(fds[0], cwd, env, args, stdin)
     os.close(fds[0])
     conn.sendall(f"pid {pid}".encode())
+    return False
+
+
+def fingerprint_of(path: str) -> str:
+    """The code fingerprint a fork server socket is named after ("" if none)."""
+    name = os.path.basename(path)
+    if name.startswith(SOCKET_PREFIX) and name.endswith(SOCKET_SUFFIX):
+        return name[len(SOCKET_PREFIX) : -len(SOCKET_SUFFIX)]
+    return ""
+
+
+def is_current(fingerprint: str) -> bool:
+    """Is the code installed now the code this server runs?"""
+    from .paths import code_fingerprint
+
+    try:
+        return code_fingerprint() == fingerprint
+    except OSError:  # the package is gone (mid-reinstall or removed)
+        return False
+
+
+def ask_to_check(path: str) -> str:
+    """Ask the server at ``path`` whether its code is still current; its answer
+    ("current" or "retiring"), or "" when it does not answer."""
+    conn = unix_socket()
+    conn.settimeout(REPLY_TIMEOUT)
+    try:
+        conn.connect(path)
+        conn.sendall(CHECK_MAGIC)
+        conn.shutdown(socket.SHUT_WR)
+        return read_all(conn, 64).decode(errors="replace")
+    except OSError:
+        return ""
+    finally:
+        conn.close()
+
+
+def sweep_run_dir(run_dir: str, own: str) -> None:
+    """Retire the other servers whose code was replaced; remove dead sockets."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(run_dir):
+            path = os.path.join(run_dir, name)
+            if path == own or not fingerprint_of(path):
+                continue
+            if not remove_if_refused(path):
+                ask_to_check(path)
+    daemons = os.path.join(run_dir, "s")
+    with contextlib.suppress(OSError):
+        for name in os.listdir(daemons):
+            remove_if_refused(os.path.join(daemons, name))
+
+
+def _serve_forever(
+    server: socket.socket, fingerprint: str, idle: float, lifecycle: _Lifecycle
+) -> None:
+    last_request = time.monotonic()
+    while True:
+        remaining = idle - (time.monotonic() - last_request)
+        if remaining <= 0:
+            return
+        server.settimeout(min(remaining, CURRENCY_CHECK))
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            if not is_current(fingerprint):
+                return
+            continue
+        lifecycle.busy = True
+        retire = False
+        try:
+            with conn, contextlib.suppress(OSError):  # one broken client must not stop us
+                retire = _serve_one(server, conn, fingerprint)
+        finally:
+            lifecycle.busy = False
+        if retire or lifecycle.stop_requested:
+            return
+        last_request = time.monotonic()
 
 
 def serve(path: str) -> int:
@@ -134,35 +255,44 @@ def serve(path: str) -> int:
     from . import daemon  # noqa: F401
     from .paths import ensure_private_dir
 
+    fingerprint = fingerprint_of(path)
+    if not is_current(fingerprint):
+        return 0  # the code changed since `start` named this server: serve nothing old
     ensure_private_dir(os.path.dirname(path))
     # Not the bundle of whichever container happened to start us: it gets deleted.
     os.chdir("/")
-    set_process_name("cedana-forksrv")
+    set_title([SHIM_NAME, "template"])
+    set_name(TEMPLATE_NAME)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         server.bind(path)
     except OSError:
         if answers(path):
+            server.close()
             return 0  # another server owns it
         os.unlink(path)  # left by a server that was killed
         server.bind(path)
-    os.chmod(path, 0o600)
-    server.listen(64)
-    # Auto-reap forked daemons; they reset this to the default.
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-    server.settimeout(float(os.environ.get("CEDANA_FORKSERVER_IDLE", IDLE_DEFAULT)))
+    owner, inode = os.getpid(), os.stat(path).st_ino
+    lifecycle = _Lifecycle()
     try:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                return 0
-            with conn, contextlib.suppress(OSError):  # one broken client must not stop us
-                _serve_one(server, conn)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lifecycle.on_signal)
+        os.chmod(path, 0o600)
+        server.listen(64)
+        # Auto-reap forked daemons; they reset this to the default.
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+        sweep_run_dir(os.path.dirname(path), path)
+        idle = float(os.environ.get("CEDANA_FORKSERVER_IDLE", IDLE_DEFAULT))
+        _serve_forever(server, fingerprint, idle, lifecycle)
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
         server.close()
+        # A forked child that never reached its own exit path must not take the
+        # socket, nor may this server take one a newer server bound since.
+        if os.getpid() == owner:
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_ino == inode:
+                    os.unlink(path)
+    return 0
 
 
 if __name__ == "__main__":

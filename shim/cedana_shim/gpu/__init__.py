@@ -1,5 +1,5 @@
 """GPU layer: moves the GPU state of a container's CUDA processes into host memory
-before CRIU dumps them, and back after a restore (see ../shared/DESIGN.md).
+before CRIU dumps them, and back after a restore.
 
 Modules, from the bottom: :mod:`.driver` (the Protocol, states, errors),
 :mod:`.driver_api` and :mod:`.driver_cli` (the two backends), :mod:`.select`,

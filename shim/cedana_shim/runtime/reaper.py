@@ -113,6 +113,7 @@ class Reaper:
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         start_new_session: bool = False,
+        process_group: int | None = None,
     ) -> Child:
         # Runs on the loop thread, so SIGCHLD (delivered through the loop) cannot
         # be handled between fork and the registration below.
@@ -125,6 +126,7 @@ class Reaper:
             cwd=cwd,
             env=None if env is None else dict(env),
             start_new_session=start_new_session,
+            process_group=process_group,
             close_fds=True,
         )
         child = Child(popen.pid, popen, self._loop.create_future())

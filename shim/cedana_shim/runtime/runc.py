@@ -11,6 +11,14 @@ because a detached runc passes its stdio through to the container.
 On failure a :class:`RuncError` subclass is raised whose errors.py class is
 decided here, and only here, by matching runc's message (containerd's
 ``runtimeError``/``checkKillError``).
+
+``restore`` runs runc in a process group of its own, recorded in the bundle, so
+that a restore can be stopped whole, by this driver or by ``delete`` after the
+daemon died (:mod:`.pgroup`).
+
+Longer than our usual module: the verbs share one invocation path (``_run``),
+error classification and the option dataclasses, and splitting them apart would
+spread that one contract over several files.
 """
 
 from __future__ import annotations
@@ -23,11 +31,15 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from cedana_shim import errors
+from cedana_shim.bundle_state import clear_restoring, criu_root, mark_restoring
+from cedana_shim.runtime.pgroup import kill_restore, start_time
 from cedana_shim.runtime.reaper import KILL_GRACE_SECONDS, Child, Reaper
+from cedana_shim.runtime.unmount import unmount_all
 
 __all__ = [
     "CGROUP_MODES",
@@ -47,21 +59,26 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CGROUP_MODES: Final = frozenset({"soft", "full", "strict", "ignore"})
+# How long an abandoned restore's processes may take to die once SIGKILLed.
+GROUP_KILL_TIMEOUT: Final = 5.0
 # Only the tail of a log is searched: a runaway --debug log must not be read whole.
 _LOG_READ_LIMIT: Final = 1 << 20
 
 _KILL_GONE = re.compile(
     r"not running|no such process|process already finished|\bESRCH\b", re.IGNORECASE
 )
-_NOT_FOUND = re.compile(r"does not exist|container \S.* not found", re.IGNORECASE)
+# "container <id> not found", not exec's "executable file not found in $PATH".
+_NOT_FOUND = re.compile(r"does not exist|container \S+ not found", re.IGNORECASE)
 _ALREADY_EXISTS = re.compile(r"already exists", re.IGNORECASE)
 # runc's state-guard messages ("container not running", "container not paused",
 # "Container cannot be checkpointed in stopped state", "cannot exec in a stopped
 # state"): the request is valid, the container is just not in a state for it.
 _WRONG_STATE = re.compile(
-    r"not running|not paused|cannot be checkpointed in|stopped (?:state|container)",
+    r"not running|not paused|cannot be checkpointed in|stopped (?:state|container)"
+    r"|paused container",
     re.IGNORECASE,
 )
 
@@ -416,9 +433,39 @@ class Runc:
         await self._run("checkpoint", id, [*opts.args(), id], pass_fds=pass_fds, criu_log=log)
 
     async def restore(self, id: str, opts: RestoreOpts) -> None:
+        """``runc restore`` in a process group of its own (runc, CRIU and CRIU's action
+        scripts), recorded in the bundle while it runs (see :mod:`.pgroup`): if this
+        daemon dies, ``delete`` stops the restore instead of letting it finish outside
+        containerd. Cancelled, the group and every task CRIU restored are SIGKILLed at
+        once (``kill_grace`` does not apply: runc ignores SIGTERM while it restores)."""
         source = os.path.join(opts.work_path or opts.image_path, "restore.log")
         log = _CriuLog(source, os.path.join(opts.bundle, "criu-restore.log"), _stat_key(source))
-        await self._run("restore", id, [*opts.args(), id], inherit=_inherit(opts), criu_log=log)
+        try:
+            await self._run(
+                "restore",
+                id,
+                [*opts.args(), id],
+                inherit=_inherit(opts),
+                criu_log=log,
+                group_bundle=opts.bundle,
+            )
+        except BaseException:
+            # A runc that was killed never unmounted the rootfs it bound for CRIU (a
+            # `runc delete` would then remove the state dir through that mount), nor
+            # did a killed CRIU unmount its cgroup yard in the work dir.
+            for leftover in (criu_root(self.root, id), opts.work_path or opts.image_path):
+                unmounted = await _to_completion(asyncio.to_thread(unmount_all, leftover))
+                if not unmounted.cancelled() and unmounted.exception() is not None:
+                    logger.error(
+                        "cannot unmount what runc restore left under %s (container %s): %s",
+                        leftover,
+                        id,
+                        unmounted.exception(),
+                        extra={"container_id": id},
+                    )
+            raise
+        finally:
+            clear_restoring(opts.bundle)
 
     async def _run(
         self,
@@ -430,12 +477,14 @@ class Runc:
         stdin_data: bytes | None = None,
         pass_fds: tuple[int, ...] = (),
         criu_log: _CriuLog | None = None,
+        group_bundle: str | None = None,
     ) -> bytes:
         """Run ``runc <global flags> <verb> <args>``; runc's stdout, or a RuncError.
 
         With ``inherit`` the container gets those fds and runc's own output is
         not captured (it is the container's); otherwise stdout and stderr go to
-        memfds.
+        memfds. With ``group_bundle`` runc leads a process group of its own, which
+        is recorded in that bundle while runc runs (the caller clears the record).
         """
         argv = [self.binary, *self.global_args(), verb, *args]
         env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
@@ -460,14 +509,26 @@ class Runc:
             started = time.monotonic()
             try:
                 child = self.reaper.spawn(
-                    argv, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds, env=env
+                    argv,
+                    stdin=stdin,
+                    stdout=stdout,
+                    stderr=stderr,
+                    pass_fds=pass_fds,
+                    env=env,
+                    process_group=None if group_bundle is None else 0,
                 )
             except OSError as err:
                 raise errors.Internal(f"cannot run {self.binary} {verb}: {err}") from err
+            leader_start = None
+            if group_bundle is not None:
+                leader_start = _record_group(group_bundle, child.pid, verb, id)
             try:
                 ex = await child.wait()
             except asyncio.CancelledError:
-                await self._reap_cancelled(child, verb, id)
+                if leader_start is None:
+                    await self._reap_cancelled(child, verb, id)
+                else:
+                    await self._kill_cancelled_group(child, verb, id, leader_start)
                 raise
             elapsed = time.monotonic() - started
             logger.debug(
@@ -497,6 +558,33 @@ class Runc:
             message = message.split("\n", 1)[0] + _keep_criu_log(criu_log)
         raise classify(verb, ex.status, message)
 
+    async def _kill_cancelled_group(
+        self, child: Child, verb: str, id: str, leader_start: int
+    ) -> None:
+        """runc's group (CRIU, its scripts) and what CRIU restored, at once: a restoring
+        runc ignores SIGTERM, and CRIU's death leaves the restored tasks stuck. Waits for
+        runc's exit even if cancelled again."""
+        logger.warning(
+            "runc %s %s cancelled; killing process group %d and what it restored",
+            verb,
+            id,
+            child.pid,
+            extra={"runc_verb": verb, "container_id": id},
+        )
+        killed = await _to_completion(
+            asyncio.to_thread(kill_restore, child.pid, leader_start, GROUP_KILL_TIMEOUT)
+        )
+        if killed.cancelled() or killed.exception() is not None or not killed.result():
+            logger.error(
+                "runc %s %s: process group %d still alive %gs after SIGKILL",
+                verb,
+                id,
+                child.pid,
+                GROUP_KILL_TIMEOUT,
+                extra={"runc_verb": verb, "container_id": id},
+            )
+        await _to_completion(child.wait())
+
     async def _reap_cancelled(self, child: Child, verb: str, id: str) -> None:
         """SIGTERM, grace, SIGKILL, and wait for the exit even if cancelled again."""
         logger.warning(
@@ -506,10 +594,7 @@ class Runc:
             child.pid,
             extra={"runc_verb": verb, "container_id": id},
         )
-        cleanup = asyncio.ensure_future(child.terminate(self.kill_grace))
-        while not cleanup.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(cleanup)
+        cleanup = await _to_completion(child.terminate(self.kill_grace))
         if not cleanup.cancelled() and cleanup.exception() is not None:
             logger.error("terminating runc %s %s failed: %s", verb, id, cleanup.exception())
 
@@ -546,6 +631,36 @@ class Runc:
             if isinstance(entry, dict) and entry.get("level") == "error":
                 return str(entry.get("msg", "")).strip()
         return ""
+
+
+async def _to_completion(work: Awaitable[T]) -> asyncio.Future[T]:
+    """Await ``work`` to its end even if cancelled meanwhile; its finished future."""
+    done = asyncio.ensure_future(work)
+    while not done.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(done)
+    return done
+
+
+def _record_group(bundle: str, pid: int, verb: str, id: str) -> int | None:
+    """Record runc's process group in the bundle for ``delete`` (see :mod:`.pgroup`);
+    the group leader's start time, None if it cannot be read."""
+    leader_start = start_time(pid)
+    if leader_start is None:
+        return None
+    try:
+        mark_restoring(bundle, pid, leader_start)
+    except OSError as err:
+        # The restore itself can go on: only a daemon crash during it would leak it.
+        logger.warning(
+            "runc %s %s: cannot record its process group in %s: %s",
+            verb,
+            id,
+            bundle,
+            err,
+            extra={"runc_verb": verb, "container_id": id},
+        )
+    return leader_start
 
 
 def _inherit(opts: CreateOpts | ExecOpts | RestoreOpts) -> Stdio | None:

@@ -1,10 +1,20 @@
-"""Checkpoint/restore for opted-in containers, on top of the plain runc shim.
+"""Checkpoints of opted-in containers: on stop, periodic, on demand, and the Task API's.
 
-:class:`CheckpointManager` is the daemon-wide part: node config, stores,
-events, and the commits still running at shutdown. :class:`Checkpointing` is
-one opted-in container's part: its policy, the restore candidates chosen at
-Create, checkpoint-on-stop, periodic and on-demand checkpoints. Every path
-goes through the same :class:`~cedana_shim.checkpoint.pipeline.Pipeline`.
+:class:`CheckpointManager` is the daemon-wide part: the checkpoint pipeline for a
+node config (built by the composition root), events, the labels this daemon is
+writing, and the compactions running in the background. :class:`Checkpointing`
+is one container's part; it drives the init process through the state table:
+
+* a leave-running checkpoint (periodic, ``cedana checkpoint --leave-running``,
+  the Task API) is RUNNING -> CHECKPOINTING -> RUNNING around the dump, and is
+  durable (published) when it returns;
+* a stop (SIGTERM/SIGINT for a container with a label) is RUNNING -> STOPPING:
+  freeze, dump, publish, and only then kill, so the exit (128+signal) is reported
+  after the checkpoint is durable. If it cannot be made durable the container is
+  thawed, goes back to RUNNING and gets the signal, as it would without us.
+
+Dumps of one container run one at a time; a SIGKILL abandons the one in progress
+(nothing of it becomes visible). Compression happens after publish, niced.
 """
 
 from __future__ import annotations
@@ -13,225 +23,371 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf.message import Message
 
 from ..api.cedana.v1 import cedana_pb2 as cedana_ev
-from ..checkpoint.gpu_steps import GpuSteps
-from ..checkpoint.pipeline import Pipeline, Target
+from ..bundle_state import clear_stopping, mark_stopping
+from ..checkpoint.pipeline import Dump, DumpRequest, Pipeline, Target
 from ..checkpoint.policy import Mode, Policy, parse_duration
-from ..checkpoint.restore import Attempts, Planner, RestorePlan
-from ..checkpoint.store import Entry, Store, StoreConfig
-from ..config import NodeConfig, load_node_config
-from ..errors import DataLoss, FailedPrecondition, ShimError
-from ..hooks import HookState, ProcessHookRunner, Stage, reaper_spawn
-from ..runtime.reaper import Reaper
+from ..checkpoint.restore import RestoreReport, RestoreSession
+from ..checkpoint.store import Entry
+from ..config import NodeConfig
+from ..errors import Aborted, DeadlineExceeded, FailedPrecondition, NotFound, ShimError
 from .events import EventSender
+from .process import LIVE, Process, State
 
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+LEFTOVERS_DELAY = 5.0  # seconds after a daemon first uses a store
+TargetFn = Callable[[], Target]
+
+
+class PipelineSource(Protocol):
+    """The checkpoint pipeline for a node config file ("" = the default one)."""
+
+    def get(self, config_path: str) -> Pipeline: ...
 
 
 class CheckpointManager:
-    def __init__(self, events: EventSender, reaper: Reaper) -> None:
+    def __init__(self, events: EventSender, pipelines: PipelineSource) -> None:
         self.events = events
-        self.reaper = reaper
-        self._pipelines: dict[str, Pipeline] = {}
-        self._commits: set[asyncio.Task[Any]] = set()
+        self.pipelines = pipelines
+        self._writing: Counter[tuple[str, str]] = Counter()  # (scope, label) -> dumps
+        self._compactions: set[asyncio.Task[Any]] = set()
+        self._swept: set[str] = set()  # stores whose leftovers this daemon compacts
+        self._sweeps: set[asyncio.Task[None]] = set()
 
-    def for_container(self, container_id: str, policy: Policy, config_path: str) -> Checkpointing:
-        config = load_node_config(config_path or None)
+    def for_container(
+        self, container_id: str, policy: Policy, config_path: str
+    ) -> tuple[Checkpointing, RestoreSession | None]:
+        pipeline = self.pipelines.get(config_path)
+        if pipeline.store.root not in self._swept:
+            self._swept.add(pipeline.store.root)
+            self.compact_leftovers(pipeline)
+        config = pipeline.config
         if policy.interval is None and config.checkpoint_interval:
             interval = parse_duration(config.checkpoint_interval, "node config checkpoint_interval")
             policy = replace(policy, interval=interval)
-        pipeline = self._pipelines.get(config.store_path)
-        if pipeline is None or pipeline.config != config:
-            store = Store(
-                StoreConfig(
-                    root=config.store_path,
-                    compression_level=config.compression_level,
-                    threads=config.compression_threads,
-                    retain=config.retain,
-                    cache_raw=config.cache_raw,
-                )
+        cr = Checkpointing(container_id, policy, pipeline, self)
+        restore = None
+        if policy.mode is Mode.AUTO:
+            restore = RestoreSession(
+                store=pipeline.store,
+                hooks=pipeline.hooks,
+                gpu=pipeline.gpu,
+                config=config,
+                policy=policy,
+                container_id=container_id,
+                report=self.report_restore,
+                writing_here=self.writing,
             )
-            hooks = ProcessHookRunner(
-                tuple(d for d in config.hooks_dirs.split(":") if d),
-                spawn=reaper_spawn(self.reaper),
-            )
-            gpu = GpuSteps(config, self.reaper)
-            pipeline = Pipeline(store, config, hooks, gpu)
-            self._pipelines[config.store_path] = pipeline
-        return Checkpointing(container_id, policy, pipeline, self)
+        return cr, restore
 
     def publish(self, event: Message) -> None:
         self.events.send(event)
 
-    def track(self, task: asyncio.Task[Any]) -> None:
-        self._commits.add(task)
-        task.add_done_callback(self._commits.discard)
+    # -- labels being written (a restore of the label waits for them) -----------------
+
+    def writing(self, scope: str, label: str) -> bool:
+        return self._writing[(scope, label)] > 0
+
+    @contextlib.contextmanager
+    def _writing_label(self, policy: Policy) -> Any:
+        key = (policy.scope, policy.label)
+        self._writing[key] += 1
+        try:
+            yield
+        finally:
+            self._writing[key] -= 1
+            if not self._writing[key]:
+                del self._writing[key]
+
+    # -- restores ----------------------------------------------------------------
+
+    def report_restore(self, report: RestoreReport) -> None:
+        log_fn = log.warning if report.alarming else log.info
+        log_fn(
+            "restored from checkpoint" if report.checkpoint_id else "starting cold",
+            extra={
+                "container": report.container_id,
+                "label": report.label,
+                "scope": report.scope,
+                "checkpoint": report.checkpoint_id,
+                "why": report.detail,
+            },
+        )
+        self.publish(
+            cedana_ev.RestoreOutcome(
+                container_id=report.container_id,
+                scope=report.scope,
+                label=report.label,
+                checkpoint_id=report.checkpoint_id,
+                outcome=report.outcome,
+                detail=report.detail,
+            )
+        )
+
+    # -- compaction, in the background ---------------------------------------------
+
+    def compact_later(self, pipeline: Pipeline, checkpoint_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._compact(pipeline, checkpoint_id))
+        self._compactions.add(task)
+        task.add_done_callback(self._compactions.discard)
+
+    def compact_leftovers(self, pipeline: Pipeline) -> None:
+        """Compact what a daemon that died (or was killed) left raw; after a pause, so
+        that it stays off the Create that brought this daemon up."""
+
+        async def run() -> None:
+            await asyncio.sleep(LEFTOVERS_DELAY)
+            try:
+                pending = await asyncio.to_thread(pipeline.store.pending_compaction)
+            except (ShimError, OSError) as err:
+                log.warning("cannot list checkpoints to compact", extra={"error": str(err)})
+                return
+            for checkpoint_id in pending:
+                await self._compact(pipeline, checkpoint_id)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._sweeps.add(task)
+        task.add_done_callback(self._sweeps.discard)
+
+    async def _compact(self, pipeline: Pipeline, checkpoint_id: str) -> None:
+        try:
+            entry = await pipeline.compact(checkpoint_id)
+        except (ShimError, OSError) as err:
+            # The raw checkpoint stays valid and restorable; compaction is retried by
+            # the next daemon that finds it.
+            log.warning(
+                "checkpoint compaction failed; it stays uncompressed",
+                extra={"checkpoint": checkpoint_id, "error": str(err)},
+            )
+            return
+        if entry is not None:
+            log.info(
+                "checkpoint compacted",
+                extra={"checkpoint": checkpoint_id, "size": entry.size, "label": entry.label},
+            )
 
     async def drain(self, timeout: float) -> None:
-        """Let commits still compressing finish before the daemon exits."""
-        if not self._commits:
+        """Let compactions of this daemon's checkpoints finish before it exits; the
+        leftovers of others can wait for the next daemon."""
+        for sweep in list(self._sweeps):
+            sweep.cancel()
+        if not self._compactions:
             return
-        log.info("waiting for checkpoint commits", extra={"pending": len(self._commits)})
-        await asyncio.wait(set(self._commits), timeout=timeout)
+        log.info("waiting for checkpoint compactions", extra={"pending": len(self._compactions)})
+        await asyncio.wait(set(self._compactions), timeout=timeout)
 
 
-@dataclass
+@dataclass(eq=False)
 class Checkpointing:
     container_id: str
     policy: Policy
     pipeline: Pipeline
     manager: CheckpointManager
-    attempts: Attempts = field(default_factory=Attempts)
-    remaining: list[Entry] = field(default_factory=list)
-    plan: RestorePlan | None = None
-    stop_signal: int | None = None  # set once a checkpoint-on-stop dumped successfully
-    stop_task: asyncio.Task[None] | None = None
-    periodic_task: asyncio.Task[None] | None = None
-    dump_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _dump_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _dumping: asyncio.Task[Dump] | None = None  # for a SIGKILL to abandon
+    _stop: asyncio.Task[Any] | None = None
+    _periodic: asyncio.Task[None] | None = None
 
     @property
     def config(self) -> NodeConfig:
         return self.pipeline.config
 
-    @property
-    def store(self) -> Store:
-        return self.pipeline.store
+    # -- leave-running checkpoints ----------------------------------------------
 
-    # -- restore -----------------------------------------------------------------
+    async def checkpoint(self, init: Process, target: TargetFn, request: DumpRequest) -> Entry:
+        """Dump and publish while the container keeps running; durable on return."""
+        async with self._dump_lock:
+            init.commit("checkpoint")
+            with self.manager._writing_label(self.policy):
+                try:
+                    dump = await self._dump(target(), request)
+                finally:
+                    if init.state in (State.CHECKPOINTING, State.CHECKPOINTING_PAUSED):
+                        init.commit("checkpointed")
+                return await self._publish(dump, request.reason)
 
-    async def first_plan(
-        self, *, bundle: str, rootfs: str, spec: Any, network: Any, reset: Callable[[], None]
-    ) -> RestorePlan | None:
-        if self.policy.mode is not Mode.AUTO:
-            return None
-        self.remaining = await asyncio.to_thread(
-            self.store.candidates, self.policy.scope, self.policy.label
-        )
-        return await self.next_plan(
-            bundle=bundle, rootfs=rootfs, spec=spec, network=network, reset=reset
-        )
+    async def task_api_checkpoint(
+        self, init: Process, target: TargetFn, *, exit: bool, mirror_to: str
+    ) -> Entry:
+        """``ctr task checkpoint``: into the store, and the images for containerd.
 
-    async def next_plan(
-        self, *, bundle: str, rootfs: str, spec: Any, network: Any, reset: Callable[[], None]
-    ) -> RestorePlan | None:
-        planner = Planner(self.store, self.pipeline.gpu, self.container_id)
-        self.plan, self.remaining = await asyncio.to_thread(
-            planner.prepare,
-            self.remaining,
-            bundle=bundle,
-            rootfs=rootfs,
-            spec=spec,
-            network=network,
-            reset_rootfs=reset,
-            attempts=self.attempts,
-        )
-        return self.plan
+        With ``exit`` the container is killed once the checkpoint is durable, as
+        runc's own checkpoint-and-exit would have killed it.
+        """
+        # containerd's client pauses the task for this itself; a running one is
+        # frozen by us so that its memory and files are saved at the same instant.
+        request = DumpRequest("task-api", freeze=init.state is State.RUNNING, mirror_to=mirror_to)
+        entry = await self.checkpoint(init, target, request)
+        if exit:
+            with contextlib.suppress(NotFound):
+                await target().runc.kill(self.container_id, signal.SIGKILL, all=True)
+        return entry
 
-    def restore_hook_state(self, bundle: str, spec: Any, images: str) -> HookState:
-        entry_id = self.plan.entry.id if self.plan is not None else ""
-        return HookState(self.container_id, bundle, "creating", 0, spec, entry_id, images)
+    # -- checkpoint on stop ---------------------------------------------------------
 
-    async def run_hooks(self, stage: Stage, state: HookState) -> None:
-        await self.pipeline.hooks.run(stage, state)
+    def request_stop(self, init: Process, target: TargetFn, sig: int) -> bool:
+        """Turn a stop signal into checkpoint-then-kill; False: deliver it as usual."""
+        if self.policy.mode is not Mode.AUTO or sig not in STOP_SIGNALS:
+            return False
+        if self._stop is not None and not self._stop.done():
+            return True  # already stopping for an earlier signal
+        if init.state not in (State.RUNNING, State.CHECKPOINTING):
+            return False
 
-    def restore_failed(self, error: BaseException) -> None:
-        if self.plan is None:
-            return
-        if self.plan.cached and isinstance(error, DataLoss):
-            # Only the cached copy was bad (and is gone now): the verified blob of the
-            # same checkpoint is tried next.
-            self.attempts.add(self.plan.entry, f"cached images discarded: {error}")
-            self.remaining.insert(0, self.plan.entry)
-        else:
-            self.attempts.add(self.plan.entry, f"restore failed: {error}")
-        Planner.discard(self.plan)
-        self.plan = None
+        async def run() -> None:
+            with contextlib.suppress(ShimError, OSError):  # logged; the signal was delivered
+                await self.stop(init, target, sig, reason="stop")
 
-    def report_restore(self, restored: bool) -> None:
-        if self.policy.mode is not Mode.AUTO:
-            return
-        entry_id = self.plan.entry.id if restored and self.plan is not None else ""
-        detail = str(self.attempts) if self.attempts.skipped or not restored else ""
-        outcome = "restored" if restored else "cold"
-        # A first start with no checkpoint yet is normal; anything skipped is not.
-        log_fn = log.warning if self.attempts.skipped else log.info
-        log_fn(
-            "restored from checkpoint" if restored else "starting cold",
-            extra={
-                "container": self.container_id,
-                "label": self.policy.label,
-                "scope": self.policy.scope,
-                "checkpoint": entry_id,
-                "why": detail,
-            },
-        )
-        self.manager.publish(
-            cedana_ev.RestoreOutcome(
-                container_id=self.container_id,
-                scope=self.policy.scope,
-                label=self.policy.label,
-                checkpoint_id=entry_id,
-                outcome=outcome,
-                detail=detail,
-            )
-        )
-        if self.plan is not None:
-            Planner.discard(self.plan)
+        self._stop = asyncio.get_running_loop().create_task(run())
+        return True
 
-    # -- checkpoint --------------------------------------------------------------
-
-    async def checkpoint(
+    async def stop(
         self,
-        target: Target,
+        init: Process,
+        target: TargetFn,
+        sig: int,
         *,
         reason: str,
-        leave_running: bool,
-        freeze: bool = True,
-        mirror_to: str = "",
+        signal_on_failure: bool = True,
     ) -> Entry:
-        """Dump and commit, waiting for both (on-demand and periodic checkpoints)."""
-        async with self.dump_lock:
-            if not leave_running:
-                self.stop_signal = signal.SIGTERM  # the exit reads as a polite stop
-            try:
-                ingest = await self._dump(target, reason, leave_running, freeze, mirror_to)
-            except BaseException:
-                self.stop_signal = None
-                raise
-        return await self._commit(ingest, reason)
+        """Freeze, dump, publish, then kill; the exit reads 128+``sig``.
 
-    async def _dump(
-        self,
-        target: Target,
-        reason: str,
-        leave_running: bool,
-        freeze: bool = False,
-        mirror_to: str = "",
-    ) -> Any:
-        try:
-            async with asyncio.timeout(self.config.checkpoint_timeout):
-                return await self.pipeline.dump(
-                    target,
-                    reason=reason,
-                    leave_running=leave_running,
-                    freeze=freeze,
-                    mirror_to=mirror_to,
+        On any failure before the checkpoint is durable the container is thawed
+        and (``signal_on_failure``) gets ``sig``; the error is raised either way.
+        """
+        async with self._dump_lock:
+            if init.state is not State.RUNNING:
+                if signal_on_failure and init.state in LIVE:
+                    with contextlib.suppress(NotFound):  # paused meanwhile: as without us
+                        await target().runc.kill(self.container_id, sig)
+                raise FailedPrecondition(
+                    f"cannot checkpoint-and-stop container {self.container_id}: it is "
+                    f"{init.state.value}"
                 )
-        except BaseException as err:
-            self._failed(reason, err)
-            raise
+            init.begin_stop(sig)
+            current = target()
+            dump: Dump | None = None
+            with self.manager._writing_label(self.policy), _stopping_marked(current.bundle, sig):
+                try:
+                    dump = await self._dump(current, DumpRequest(reason, keep_frozen=True))
+                    entry = await self._publish(dump, reason)
+                except BaseException as err:
+                    await asyncio.shield(self._undo_stop(init, current, dump))
+                    killed = isinstance(err, (asyncio.CancelledError, Aborted))
+                    if signal_on_failure and not killed:
+                        log.warning(
+                            "checkpoint on stop failed; stopping without it",
+                            extra={"container": self.container_id, "error": str(err)},
+                        )
+                        with contextlib.suppress(NotFound):
+                            await current.runc.kill(self.container_id, sig)
+                    raise
+            if init.stop is None:  # no longer STOPPING: it died meanwhile (OOM, a kill
+                return entry  # from outside), nothing left to stop
+            init.stop_durable()
+        with contextlib.suppress(NotFound):
+            await current.runc.kill(self.container_id, signal.SIGKILL, all=True)
+        return entry
 
-    async def _commit(self, ingest: Any, reason: str) -> Entry:
+    async def _undo_stop(self, init: Process, current: Target, dump: Dump | None) -> None:
+        """Not durable: the processes come back as they were (a failed dump has
+        thawed them itself; a failed publish leaves that to us)."""
+        if dump is not None:
+            try:
+                await self.pipeline.thaw(current, dump)
+            except (ShimError, OSError) as thaw_err:
+                log.error(
+                    "cannot thaw the container after a failed checkpoint on stop",
+                    extra={"container": self.container_id, "error": str(thaw_err)},
+                )
+        if init.state is State.STOPPING:
+            init.commit("stop-failed")
+
+    async def abort(self, init: Process) -> None:
+        """A SIGKILL arrived: give up a dump in progress; nothing of it becomes visible."""
+        if init.stop is not None and init.stop.durable:
+            return  # the checkpoint is safe; the processes are being killed anyway
+        task = self._dumping
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+        if self._stop is not None and not self._stop.done():
+            await asyncio.wait([self._stop])  # its states rolled back, its freeze undone
+
+    async def wait_thawed(self) -> None:
+        """Until a dump in progress has let the container run again."""
+        task = self._dumping
+        if task is not None and not task.done():
+            await asyncio.wait([task])
+
+    async def wait_stop(self) -> None:
+        """Delete must not unmount the rootfs while the diff is being captured."""
+        if self._stop is not None:
+            await asyncio.wait([self._stop])
+
+    # -- periodic ---------------------------------------------------------------
+
+    def start_periodic(self, init: Process, target: TargetFn) -> None:
+        interval = self.policy.interval
+        if interval is None or self._periodic is not None:
+            return
+
+        async def loop() -> None:
+            while init.state not in (State.STOPPED, State.DELETED):
+                await asyncio.sleep(interval)
+                if init.state is not State.RUNNING:
+                    continue
+                with contextlib.suppress(ShimError, OSError):
+                    await self.checkpoint(init, target, DumpRequest("periodic"))
+
+        self._periodic = asyncio.get_running_loop().create_task(loop())
+
+    def stop_periodic(self) -> None:
+        if self._periodic is not None:
+            self._periodic.cancel()
+            self._periodic = None
+
+    # -- the steps every checkpoint shares -----------------------------------------
+
+    async def _dump(self, target: Target, request: DumpRequest) -> Dump:
+        self._dumping = asyncio.get_running_loop().create_task(self.pipeline.dump(target, request))
         try:
-            entry = await self.pipeline.commit(ingest)
+            try:
+                async with asyncio.timeout(self.config.checkpoint_timeout):
+                    return await self._dumping
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"checkpoint of container {self.container_id} took longer than "
+                    f"checkpoint_timeout ({self.config.checkpoint_timeout:g}s) and was "
+                    "abandoned; the container was thawed. Raise checkpoint_timeout in "
+                    "the node config for larger containers"
+                ) from None
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # our caller was cancelled, not the dump
+                raise Aborted(
+                    f"checkpoint of container {self.container_id} abandoned: the "
+                    "container was killed while it was being dumped"
+                ) from None
+        except BaseException as err:
+            self._failed(request.reason, err)
+            raise
+        finally:
+            self._dumping = None
+
+    async def _publish(self, dump: Dump, reason: str) -> Entry:
+        try:
+            entry = await self.pipeline.publish(dump)
         except BaseException as err:
             self._failed(reason, err)
             raise
@@ -256,6 +412,7 @@ class Checkpointing:
                 size=entry.size,
             )
         )
+        self.manager.compact_later(self.pipeline, entry.id)
         return entry
 
     def _failed(self, reason: str, err: BaseException) -> None:
@@ -279,91 +436,19 @@ class Checkpointing:
             )
         )
 
-    # -- checkpoint on stop ----------------------------------------------------------
 
-    def wants_stop_checkpoint(self, sig: int) -> bool:
-        return self.policy.mode is Mode.AUTO and sig in STOP_SIGNALS
-
-    def stopping(self) -> bool:
-        return self.stop_task is not None and not self.stop_task.done()
-
-    def begin_stop(self, target: Target, sig: int, fallback: Callable[[int], Any]) -> None:
-        """Dump the container as it stops; if the dump fails, deliver ``sig`` after all.
-
-        The container's processes exit when CRIU has written the images (no
-        leave-running); the exit is reported as 128+``sig``. Compression and the
-        commit continue in the background.
-        """
-        if self.stopping():
-            return
-
-        # Set before the dump: CRIU kills the processes the moment the images are
-        # written, and their exit must already read as 128+sig.
-        self.stop_signal = sig
-
-        async def run() -> None:
-            try:
-                async with self.dump_lock:
-                    ingest = await self._dump(target, "stop", leave_running=False)
-            except asyncio.CancelledError:
-                self.stop_signal = None
-                raise
-            except (ShimError, OSError) as err:
-                self.stop_signal = None
-                log.warning(
-                    "checkpoint on stop failed; stopping without it",
-                    extra={"container": self.container_id, "error": str(err)},
-                )
-                await fallback(sig)
-                return
-            commit = asyncio.get_running_loop().create_task(self._commit(ingest, "stop"))
-            commit.add_done_callback(_log_unexpected)
-            self.manager.track(commit)
-
-        self.stop_task = asyncio.get_running_loop().create_task(run())
-        self.stop_task.add_done_callback(_log_unexpected)
-
-    async def abort_stop(self) -> None:
-        """A SIGKILL arrived: give up the dump; nothing of it becomes visible."""
-        task = self.stop_task
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ShimError, OSError):
-                await task
-
-    async def wait_stop(self) -> None:
-        """Delete must not unmount the rootfs while the diff is being captured."""
-        if self.stop_task is not None:
-            with contextlib.suppress(asyncio.CancelledError, ShimError, OSError):
-                await asyncio.shield(self.stop_task)
-
-    # -- periodic ---------------------------------------------------------------
-
-    def start_periodic(self, target: Callable[[], Target | None]) -> None:
-        interval = self.policy.interval
-        if interval is None or self.periodic_task is not None:
-            return
-
-        async def loop() -> None:
-            while True:
-                await asyncio.sleep(interval)
-                current = target()
-                if current is None:
-                    return
-                with contextlib.suppress(ShimError, OSError):
-                    await self.checkpoint(current, reason="periodic", leave_running=True)
-
-        self.periodic_task = asyncio.get_running_loop().create_task(loop())
-
-    def stop_periodic(self) -> None:
-        if self.periodic_task is not None:
-            self.periodic_task.cancel()
-            self.periodic_task = None
-
-
-def _log_unexpected(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.error("checkpoint task crashed", exc_info=exc)
+@contextlib.contextmanager
+def _stopping_marked(bundle: str, sig: int) -> Iterator[None]:
+    """While a stop is frozen for its checkpoint, the bundle says so: a ``delete``
+    after the daemon died then delivers the signal (cli/delete.py)."""
+    try:
+        mark_stopping(bundle, sig)
+    except OSError as err:
+        log.warning("cannot mark the stop in the bundle", extra={"error": str(err)})
+    try:
+        yield
+    finally:
+        clear_stopping(bundle)
 
 
 def require_enabled(cr: Checkpointing | None, container_id: str) -> Checkpointing:
@@ -373,3 +458,6 @@ def require_enabled(cr: Checkpointing | None, container_id: str) -> Checkpointin
             "CEDANA_ENABLE=1 or CEDANA_CHECKPOINT=<label> in its environment"
         )
     return cr
+
+
+__all__ = ["CheckpointManager", "Checkpointing", "PipelineSource", "require_enabled"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,17 +28,20 @@ from ..api.containerd.runc import options_pb2 as runc_pb
 from ..api.containerd.task.v2 import shim_pb2 as pb
 from ..api.containerd.types import task_pb2 as types
 from ..bundle_state import mark_deleted
+from ..checkpoint.pipeline import DumpRequest
 from ..checkpoint.policy import policy_for
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, ShimError
 from ..runtime.mount import Mount
 from ..runtime.reaper import Exit, Reaper
 from ..ttrpc.server import CallContext, Method
 from .checkpointing import CheckpointManager, require_enabled
-from .container import CheckpointConfig, Container, CreateConfig, ExecConfig, load_spec
+from .container import Container, load_spec
 from .events import EventSender
 from .oom import OomWatcher
 from .options import parse_runtime_options, type_name
 from .process import NOT_EXITED, ExitInfo, Process, State
+from .requests import CheckpointConfig, CreateConfig, ExecConfig
+from .runc_factory import RuncFactory
 from .stats import collect_metrics
 from .stdio import StdioConfig
 
@@ -48,8 +52,12 @@ CEDANA_SERVICE_NAME = "cedana.shim.v1.Checkpoint"
 STATUS = {
     State.CREATED: types.CREATED,
     State.RESTORE_PENDING: types.CREATED,
+    State.RESTORING: types.CREATED,
     State.RUNNING: types.RUNNING,
     State.PAUSED: types.PAUSED,
+    State.CHECKPOINTING: types.RUNNING,
+    State.CHECKPOINTING_PAUSED: types.PAUSED,
+    State.STOPPING: types.RUNNING,
     State.STOPPED: types.STOPPED,
     State.DELETED: types.STOPPED,
 }
@@ -71,19 +79,23 @@ class TaskService:
         events: EventSender,
         reaper: Reaper,
         *,
-        debug: bool = False,
+        checkpoints: CheckpointManager,
+        runc_factory: RuncFactory,
         oom: OomWatcher | None = None,
         on_shutdown: Callable[[], None] = lambda: None,
     ) -> None:
         self.namespace = namespace
         self.events = events
         self.reaper = reaper
-        self.debug = debug
         self.oom = oom
-        self.checkpoints = CheckpointManager(events, reaper)
+        self.checkpoints = checkpoints
+        self.runc_factory = runc_factory
         self.containers: dict[str, Container] = {}
         self._on_shutdown = on_shutdown
         self._exit_tasks: set[asyncio.Task[None]] = set()
+        # An init's exit waits here until every exec of its container has exited
+        # (containerd's handleInitExit): container id -> (exit, pid).
+        self._held_init_exits: dict[str, tuple[ExitInfo, int]] = {}
         # (id(process), pid) of exits being handled: one exit seen twice is handled once.
         self._exiting: set[tuple[int, int]] = set()
         reaper.subscribe(self._on_exit)
@@ -96,20 +108,22 @@ class TaskService:
     ) -> cedana_pb.CheckpointResponse:
         container = self.container(req.container_id)
         cr = require_enabled(container.cr, req.container_id)
-        if container.init.state is not State.RUNNING:
-            raise FailedPrecondition(
-                f"cannot checkpoint container {req.container_id}: it is "
-                f"{container.init.state.value}"
+        if req.leave_running:
+            # A paused container is dumped as it is, and stays paused.
+            freeze = container.init.state is State.RUNNING
+            request = DumpRequest("manual", freeze=freeze)
+            entry = await cr.checkpoint(container.init, container.target, request)
+        else:
+            entry = await cr.stop(
+                container.init,
+                container.target,
+                signal.SIGTERM,
+                reason="manual",
+                signal_on_failure=False,
             )
-        entry = await cr.checkpoint(
-            container.target(), reason="manual", leave_running=req.leave_running
-        )
         return cedana_pb.CheckpointResponse(
             checkpoint_id=entry.id, label=entry.label, scope=entry.scope, size=entry.size
         )
-
-    async def drain(self, timeout: float) -> None:
-        await self.checkpoints.drain(timeout)
 
     def methods(self) -> Mapping[str, Method[Any]]:
         def m(request_type: type[Message], handler: Any) -> Method[Any]:
@@ -175,12 +189,21 @@ class TaskService:
     async def task_create(self, config: CreateConfig) -> int:
         spec = load_spec(config.bundle, config.id)
         policy = policy_for(spec, config.id, self.namespace)
-        cr = None
+        cr = restore = None
         if policy.enabled:
-            cr = self.checkpoints.for_container(config.id, policy, config.options.config_path)
+            cr, restore = self.checkpoints.for_container(
+                config.id, policy, config.options.config_path
+            )
+        runc = self.runc_factory(config.options, self.namespace, config.bundle)
         with self.reaper.collect() as early:
             container = await Container.create(
-                config, self.reaper, debug=self.debug, spec=spec, cr=cr
+                config,
+                runc=runc,
+                reaper=self.reaper,
+                spec=spec,
+                report_exit=self._report_decided_exit,
+                cr=cr,
+                restore=restore,
             )
         self.containers[config.id] = container
         self._replay(early, container.init)
@@ -194,7 +217,7 @@ class TaskService:
             with self.reaper.collect() as early:
                 pid = await container.start_exec(req.exec_id)
             self.events.send(ev.TaskExecStarted(container_id=req.id, exec_id=req.exec_id, pid=pid))
-            self._replay(early, container.get_exec(req.exec_id).process)
+            self._replay(early, container.execs.get(req.exec_id).process)
             return pb.StartResponse(pid=pid)
         with self.reaper.collect() as early:
             pid = await container.start()
@@ -207,7 +230,7 @@ class TaskService:
     async def delete(self, req: pb.DeleteRequest, _: CallContext) -> pb.DeleteResponse:
         container = self.container(req.id)
         if req.exec_id:
-            ex = container.delete_exec(req.exec_id)
+            ex = container.execs.delete(req.exec_id)
             info = ex.process.exit or ExitInfo(0, 0.0)
             pid = ex.process.pid
         else:
@@ -231,7 +254,7 @@ class TaskService:
 
     async def pids(self, req: pb.PidsRequest, _: CallContext) -> pb.PidsResponse:
         container = self.container(req.id)
-        by_pid = {e.process.pid: e.config.exec_id for e in container.execs.values()}
+        by_pid = {e.process.pid: e.config.exec_id for e in container.execs}
         resp = pb.PidsResponse()
         for pid in await container.pids():
             info = resp.processes.add(pid=pid)
@@ -281,14 +304,7 @@ class TaskService:
         return Empty()
 
     async def kill(self, req: pb.KillRequest, _: CallContext) -> Empty:
-        container = self.container(req.id)
-        await container.kill(req.exec_id, req.signal, req.all)
-        abandoned, container.abandoned_exit = container.abandoned_exit, None
-        if abandoned is not None:
-            # No process ever ran: the exit is the signal's, reported here.
-            async with container.init.lock:
-                if container.init.set_exited(abandoned.status, abandoned.timestamp):
-                    self._publish_exit(container.init)
+        await self.container(req.id).kill(req.exec_id, req.signal, req.all)
         return Empty()
 
     async def exec(self, req: pb.ExecProcessRequest, _: CallContext) -> Empty:
@@ -350,7 +366,7 @@ class TaskService:
     async def state(self, req: pb.StateRequest, _: CallContext) -> pb.StateResponse:
         container = self.container(req.id)
         if req.exec_id:
-            ex = container.get_exec(req.exec_id)
+            ex = container.execs.get(req.exec_id)
             process, stdio = ex.process, ex.config.stdio
         else:
             process, stdio = container.init, container.config.stdio
@@ -385,7 +401,7 @@ class TaskService:
 
     def _on_exit(self, ex: Exit) -> None:
         for container in self.containers.values():
-            for process in (container.init, *(e.process for e in container.execs.values())):
+            for process in (container.init, *(e.process for e in container.execs)):
                 if process.pid == ex.pid and process.exit is None:
                     self._schedule_exit(container, process, ex)
                     return
@@ -411,10 +427,10 @@ class TaskService:
         if not process.is_init:
             if process.set_exited(ex.status, ex.timestamp):
                 self._publish_exit(process)
-            pending = container.pending_init_exit
-            if pending is not None and not container.running_execs():
-                container.pending_init_exit = None
-                await self._finish_init_exit(container, *pending)
+            held = self._held_init_exits.get(container.id)
+            if held is not None and not container.execs.running():
+                del self._held_init_exits[container.id]
+                await self._finish_init_exit(container, *held)
             return
         if container.needs_kill_all_on_exit():
             try:
@@ -425,12 +441,9 @@ class TaskService:
                     "kill --all after init exit failed",
                     extra={"container": container.id, "error": str(err)},
                 )
-        status = ex.status
-        if container.cr is not None and container.cr.stop_signal is not None:
-            status = 128 + container.cr.stop_signal  # stopped by its checkpoint-on-stop
-        info = ExitInfo(status, ex.timestamp)
-        if container.running_execs():
-            container.pending_init_exit = (info, ex.pid)  # published after the last exec's
+        info = ExitInfo(ex.status, ex.timestamp)
+        if container.execs.running():
+            self._held_init_exits[container.id] = (info, ex.pid)  # after the last exec's
             return
         await self._finish_init_exit(container, info, ex.pid)
 
@@ -446,7 +459,19 @@ class TaskService:
                 return
             if container.init.set_exited(info.status, info.timestamp):
                 self._publish_exit(container.init)
-        log.info("exited", extra={"container": container.id, "exit_status": info.status})
+        reported = container.init.exit
+        log.info(
+            "exited",
+            extra={
+                "container": container.id,
+                "exit_status": reported.status if reported else info.status,
+            },
+        )
+
+    def _report_decided_exit(self, container: Container) -> None:
+        """An exit the container recorded itself (a Kill abandoned its restore)."""
+        if container.init.exit is not None:
+            self._publish_exit(container.init)
 
     def _publish_exit(self, process: Process) -> None:
         assert process.exit is not None

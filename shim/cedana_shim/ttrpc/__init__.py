@@ -24,15 +24,9 @@ from cedana_shim.ttrpc.codec import (
 
 if TYPE_CHECKING:
     from cedana_shim.ttrpc.client import Client
-    from cedana_shim.ttrpc.server import (
-        AsyncioStream,
-        CallContext,
-        Method,
-        Server,
-        Services,
-        Stream,
-    )
+    from cedana_shim.ttrpc.server import CallContext, Method, Server, Services
     from cedana_shim.ttrpc.status import error_from_status, status_from_exception
+    from cedana_shim.ttrpc.transport import AsyncioStream, FrameReader, Stream
 
 __all__ = [
     "MESSAGE_LENGTH_MAX",
@@ -42,6 +36,7 @@ __all__ = [
     "Client",
     "Frame",
     "FrameDecoder",
+    "FrameReader",
     "LocalProtocolError",
     "MessageType",
     "Method",
@@ -58,12 +53,13 @@ __all__ = [
 
 _LAZY = {
     "Client": "client",
-    "AsyncioStream": "server",
+    "AsyncioStream": "transport",
+    "FrameReader": "transport",
     "CallContext": "server",
     "Method": "server",
     "Server": "server",
     "Services": "server",
-    "Stream": "server",
+    "Stream": "transport",
     "error_from_status": "status",
     "status_from_exception": "status",
 }

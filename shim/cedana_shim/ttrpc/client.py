@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Final, TypeVar
+from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
@@ -21,23 +21,20 @@ from cedana_shim import errors
 from cedana_shim.api.ttrpc.request_pb2 import KeyValue, Request, Response
 from cedana_shim.ttrpc.codec import (
     MESSAGE_LENGTH_MAX,
-    NEED_DATA,
     STREAM_ID_MAX,
     Frame,
-    FrameDecoder,
     LocalProtocolError,
     MessageType,
+    OversizedFrame,
     RemoteProtocolError,
     encode_frame,
 )
-from cedana_shim.ttrpc.server import AsyncioStream, Stream
 from cedana_shim.ttrpc.status import error_from_status
+from cedana_shim.ttrpc.transport import AsyncioStream, FrameReader, Stream
 
 __all__ = ["Client"]
 
 logger = logging.getLogger(__name__)
-
-READ_SIZE: Final = 64 * 1024
 
 M = TypeVar("M", bound=Message)
 
@@ -162,20 +159,9 @@ class Client:
                 self._reader.cancel()
 
     async def _read_loop(self) -> None:
-        decoder = FrameDecoder()
         try:
-            while True:
-                event = decoder.next_event()
-                if event is NEED_DATA:
-                    if decoder.eof:
-                        return
-                    decoder.feed(await self._stream.read(READ_SIZE))
-                elif isinstance(event, Frame):
-                    if event.type == MessageType.RESPONSE:
-                        self._on_response(event)
-                    else:
-                        logger.debug("ttrpc: ignoring frame type %d", event.type)
-                else:
+            async for event in FrameReader(self._stream):
+                if isinstance(event, OversizedFrame):
                     self._fail(
                         event.stream_id,
                         errors.ResourceExhausted(
@@ -183,6 +169,10 @@ class Client:
                             f"size of {MESSAGE_LENGTH_MAX}"
                         ),
                     )
+                elif event.type == MessageType.RESPONSE:
+                    self._on_response(event)
+                else:
+                    logger.debug("ttrpc: ignoring frame type %d", event.type)
         except RemoteProtocolError as exc:
             self._close_reason = str(exc)
         except OSError as exc:

@@ -1,4 +1,4 @@
-"""asyncio ttrpc server: a thin loop over the sans-IO codec and a :class:`Stream`.
+"""asyncio ttrpc server: requests from a :class:`~cedana_shim.ttrpc.transport.FrameReader`.
 
 Behaviour follows containerd/ttrpc ``server.go``: every Request runs in its own task so
 that a blocking ``Wait`` does not hold up ``State`` or ``Kill`` on the same connection;
@@ -17,7 +17,7 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Generic, Protocol, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
@@ -27,9 +27,7 @@ from cedana_shim.api.ttrpc.request_pb2 import Request, Response
 from cedana_shim.errors import ShimError
 from cedana_shim.ttrpc.codec import (
     MESSAGE_LENGTH_MAX,
-    NEED_DATA,
     Frame,
-    FrameDecoder,
     LocalProtocolError,
     MessageType,
     OversizedFrame,
@@ -37,50 +35,18 @@ from cedana_shim.ttrpc.codec import (
     encode_frame,
 )
 from cedana_shim.ttrpc.status import status_from_exception
+from cedana_shim.ttrpc.transport import AsyncioStream, FrameReader, Stream
 
-__all__ = ["AsyncioStream", "CallContext", "Method", "Server", "Services", "Stream"]
+__all__ = ["CallContext", "Method", "Server", "Services"]
 
 logger = logging.getLogger(__name__)
 
-READ_SIZE: Final = 64 * 1024
 # struct ucred from <sys/socket.h>: pid_t pid; uid_t uid; gid_t gid.
 _UCRED: Final = struct.Struct("=iII")
 # accept() failures that say nothing about the listening socket itself.
 _ACCEPT_RETRY: Final = frozenset(
     {errno.ECONNABORTED, errno.EPROTO, errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 )
-
-
-class Stream(Protocol):
-    """One byte-stream connection, as httpcore's ``AsyncNetworkStream``."""
-
-    async def read(self, max_bytes: int) -> bytes:
-        """Up to ``max_bytes`` bytes; ``b""`` at EOF."""
-        ...
-
-    async def write(self, data: bytes) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class AsyncioStream:
-    """:class:`Stream` over an asyncio reader/writer pair."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader = reader
-        self._writer = writer
-
-    async def read(self, max_bytes: int) -> bytes:
-        return await self._reader.read(max_bytes)
-
-    async def write(self, data: bytes) -> None:
-        # write() buffers the whole frame synchronously, so a cancelled drain() can never
-        # leave half a frame on the wire.
-        self._writer.write(data)
-        await self._writer.drain()
-
-    def close(self) -> None:
-        self._writer.close()
 
 
 @dataclass(frozen=True)
@@ -275,15 +241,9 @@ class _Connection:
             self._reader.cancel()
 
     async def _read_loop(self) -> None:
-        decoder = FrameDecoder()
         try:
-            while True:
-                event = decoder.next_event()
-                if event is NEED_DATA:
-                    if decoder.eof:
-                        return
-                    decoder.feed(await self._stream.read(READ_SIZE))
-                elif isinstance(event, OversizedFrame):
+            async for event in FrameReader(self._stream):
+                if isinstance(event, OversizedFrame):
                     await self._send_error(
                         event.stream_id,
                         errors.ResourceExhausted(

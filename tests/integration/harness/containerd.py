@@ -77,6 +77,7 @@ class Containerd:
         # The cedana checkpoint store of this instance's shims (the shim reads
         # CEDANA_STORE_PATH from containerd's environment).
         self.store = base / "checkpoints"
+        self.shim_log_file = base / "shim.log"
         suffix = uuid.uuid4().hex[:8]
         self.bridge = f"cdn{suffix}"
         # A random /24 per instance: several containerds (and other suites) may run on
@@ -228,6 +229,8 @@ state = {_toml_str(self.state)}
         env = {k: v for k, v in os.environ.items() if not k.startswith("CONTAINERD_")}
         env["PATH"] = ":".join(dict.fromkeys(path))
         env["CEDANA_STORE_PATH"] = str(self.store)
+        # The shims' own log file (node config log_file), per instance.
+        env["CEDANA_LOG_FILE"] = str(self.shim_log_file)
         # The warm fork server must not outlive the suite by an hour.
         env.setdefault("CEDANA_FORKSERVER_IDLE", "120")
         env.update(self.extra_env)
@@ -349,9 +352,10 @@ state = {_toml_str(self.state)}
             raise ContainerdError(f"images missing after import into {namespace}: {missing}")
 
     def shims(self, *, daemons_only: bool = True) -> list[procs.ShimProcess]:
-        """Shim processes whose command line names this containerd (-address). A
-        daemon forked from a template process may not show up here: use
-        `shim_daemons()` to find daemons by the socket they serve."""
+        """Shim processes whose command line names this containerd (-address). The
+        cedana shim's daemons, forked from its template process, rewrite their command
+        line to containerd's usual one; `shim_daemons()` finds daemons by the socket
+        they serve instead."""
         return procs.shim_processes(address=str(self.socket), daemons_only=daemons_only)
 
     def shim_address(self, namespace: str, cid: str) -> str | None:
@@ -411,9 +415,13 @@ state = {_toml_str(self.state)}
 
     # -- teardown ---------------------------------------------------------------------
 
-    def cleanup(self, *, keep_base: bool = False) -> list[str]:
+    def cleanup(self, *, keep_base: bool = False, check: bool = True) -> list[str]:
         """Remove everything this instance created, even after failures; returns notes
-        about what had to be forced (useful in a report, never raised)."""
+        about what had to be forced (useful in a report, never raised).
+
+        With `check`, raises ContainerdError once everything is removed if the shims
+        left a `criu-root` mount in runc's state dir (a runc killed mid-restore leaves
+        it; the shim must unmount it): the suite fails if that comes back."""
         notes: list[str] = []
         # Found through the bundles, which containerd removes along with the tasks.
         daemons = set(self.shim_daemons())
@@ -421,13 +429,21 @@ state = {_toml_str(self.state)}
             self._api_cleanup(notes)
         daemons |= set(self.shim_daemons())
         self.stop()
+        # Before the harness kills anything itself: what is left now, the shims left.
+        leaked = procs.criu_root_mounts(RUNC_STATE_ROOT, self.base)
         self._sweep_processes(notes, daemons)
+        self._sweep_criu_roots(notes)
         self._sweep_runc_state(notes)
         self._sweep_mounts(notes)
         self._sweep_network()
         self._sweep_cgroups()
         if not keep_base:
             subprocess.run(["rm", "-rf", "--one-file-system", str(self.base)], check=False)
+        if check and leaked:
+            raise ContainerdError(
+                f"containerd {self.version.full}: the shims left runc's criu-root mounted "
+                f"(unmounted now): {', '.join(leaked)}"
+            )
         return notes
 
     def _api_cleanup(self, notes: list[str]) -> None:
@@ -511,6 +527,17 @@ state = {_toml_str(self.state)}
                 with contextlib.suppress(OSError):
                     Path(path).unlink()
 
+    def _sweep_criu_roots(self, notes: list[str]) -> None:
+        """Before `runc delete`, which would remove the state dir through the mount."""
+        for point in procs.criu_root_mounts(RUNC_STATE_ROOT, self.base):
+            if _libc.umount2(point.encode(), _MNT_DETACH) != 0:
+                notes.append(f"umount {point}: errno {ctypes.get_errno()}")
+                continue
+            notes.append(f"unmounted {point}")
+            with contextlib.suppress(OSError):
+                os.rmdir(point)
+                os.rmdir(os.path.dirname(point))  # a restore that never wrote its state
+
     def _sweep_mounts(self, notes: list[str]) -> None:
         for point in procs.mounts_under(self.base):
             if _libc.umount2(point.encode(), _MNT_DETACH) != 0:
@@ -571,6 +598,6 @@ def make_containerd(
         for ns in namespaces:
             instance.import_images(ns)
     except BaseException:
-        instance.cleanup(keep_base=True)
+        instance.cleanup(keep_base=True, check=False)
         raise
     return instance

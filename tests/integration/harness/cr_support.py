@@ -11,16 +11,19 @@ import re
 import signal
 import tarfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cedana_shim.checkpoint.pipeline import CRIU_LAYER, MEDIA_TYPES, ROOTFS_LAYER
+from cedana_shim.checkpoint.layers import CRIU_LAYER, MEDIA_TYPES, ROOTFS_LAYER
 from cedana_shim.checkpoint.store import Entry, Store, StoreConfig
 
 from . import procs
+from .config import CTR_NAMESPACE
 from .containerd import Containerd
+from .cr_events import TOPIC_RESTORE, Event, EventStream
 from .util import wait_for
 
 __all__ = [
@@ -38,7 +41,12 @@ __all__ = [
     "ingest_dirs",
     "open_store",
     "parse_ticks",
+    "restored_from",
+    "shim_pid",
+    "started_cold",
     "store_is_sound",
+    "unique_label",
+    "wait_compacted",
     "wait_ticks",
 ]
 
@@ -143,6 +151,30 @@ def assert_continues(before: Counter, after: Counter, what: str) -> None:
     )
 
 
+def unique_label(what: str) -> str:
+    """A label no other test uses (the store of a containerd outlives a test)."""
+    return f"{what}-{uuid.uuid4().hex[:8]}"
+
+
+# -- restores, as the /cedana/restore event tells them -----------------------------------
+
+
+def restored_from(events: EventStream, box: Box, checkpoint_id: str) -> Event:
+    outcome = events.wait_topic(TOPIC_RESTORE, box.cid, timeout=60)
+    assert outcome.field("outcome") == "restored", outcome
+    assert outcome.checkpoint_id == checkpoint_id, (
+        f"restored {outcome.checkpoint_id!r}, expected {checkpoint_id}: {outcome.field('detail')}"
+    )
+    return outcome
+
+
+def started_cold(events: EventStream, box: Box) -> Event:
+    outcome = events.wait_topic(TOPIC_RESTORE, box.cid, timeout=30)
+    assert outcome.field("outcome") == "cold", outcome
+    assert outcome.checkpoint_id == ""
+    return outcome
+
+
 # -- the shim's log (JSON lines in containerd's log) -------------------------------------
 
 
@@ -232,6 +264,23 @@ def rootfs_diff_file(root: Path, entry: Entry, path: str) -> bytes | None:
     return None
 
 
+def wait_compacted(root: Path, checkpoint_id: str, timeout: float = 60) -> Entry:
+    """Until the checkpoint is compressed (published raw, compacted in the background).
+    Read from the store, not the log: containerd stops reading a shim's log once its
+    last task is deleted, which is usually before the compression ends."""
+
+    def compacted() -> Entry | None:
+        for entry in entries(root):
+            if entry.id == checkpoint_id and entry.state == "compacted":
+                return entry
+        return None
+
+    found: Entry = wait_for(
+        compacted, timeout=timeout, interval=0.05, what=f"checkpoint {checkpoint_id} compacted"
+    )
+    return found
+
+
 def blob_path(root: Path, digest: str) -> Path:
     return root / "blobs" / "sha256" / digest.removeprefix("sha256:")
 
@@ -251,6 +300,13 @@ def tree_bytes(path: Path) -> int:
 
 
 # -- processes ---------------------------------------------------------------------------
+
+
+def shim_pid(containerd: Containerd, box: Box) -> int:
+    """The one shim daemon serving a ctr container of the test namespace."""
+    pids = containerd.shim_pids(CTR_NAMESPACE, box.cid)
+    assert len(pids) == 1, f"expected one shim daemon for {box.cid}, found {pids}"
+    return pids.pop()
 
 
 def criu_pids(shim_pid: int) -> set[int]:

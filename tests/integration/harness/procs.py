@@ -174,6 +174,32 @@ def mounts_under(path: Path | str, mountinfo: str = "/proc/self/mountinfo") -> l
     return sorted(points, key=lambda p: p.count("/"), reverse=True)
 
 
+def criu_root_mounts(
+    state_root: Path | str, owner: Path | str, mountinfo: str = "/proc/self/mountinfo"
+) -> list[str]:
+    """`<state_root>/<ns>/<id>/criu-root` mounts (the rootfs `runc restore` binds for CRIU;
+    a runc killed mid-restore leaves it) of containers whose rootfs lives under `owner`.
+
+    runc's state root is shared by every containerd on the host; the mount is told apart
+    by its filesystem's options (an overlay rootfs names its layers, under containerd's
+    root), or for a bind of a plain directory by its source path."""
+    base = os.path.realpath(state_root).rstrip("/") + "/"
+    owned = os.path.realpath(owner)
+    found = []
+    with open(mountinfo) as f:
+        for line in f:
+            fields = line.split()
+            point = _unescape_mountinfo(fields[4])
+            rel = point.removeprefix(base)
+            if rel == point or rel.count("/") != 2 or not rel.endswith("/criu-root"):
+                continue
+            after_dash = line.split(" - ", 1)[1].split() if " - " in line else []
+            described = " ".join([_unescape_mountinfo(fields[3]), *after_dash[1:]])
+            if owned in described:
+                found.append(point)
+    return found
+
+
 def cgroup_dir(pid: int, controller: str) -> Path:
     """The cgroup v1 directory of `pid` for `controller` (this host mounts v1 controllers
     under /sys/fs/cgroup/<controller>; runc uses them)."""

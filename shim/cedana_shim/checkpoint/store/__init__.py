@@ -1,0 +1,27 @@
+"""The checkpoint store (see store.py for the layout and the commit sequence)."""
+
+from .ingest import Ingest
+from .model import (
+    COMMIT_STEPS,
+    COMPACT_STEPS,
+    PUBLISH_STEPS,
+    Entry,
+    LayerInfo,
+    RepairReport,
+    StepHook,
+    StoreConfig,
+)
+from .store import Store
+
+__all__ = [
+    "COMMIT_STEPS",
+    "COMPACT_STEPS",
+    "PUBLISH_STEPS",
+    "Entry",
+    "Ingest",
+    "LayerInfo",
+    "RepairReport",
+    "StepHook",
+    "Store",
+    "StoreConfig",
+]

@@ -1,0 +1,370 @@
+"""What the store holds: entries read back from index.json, manifests and configs.
+
+Loading an entry checks, before anything else, that the index, the manifest
+and the config agree on which checkpoint this is (a disagreement is the damage
+reported, not a missing field). Checking an entry verifies blob sizes and
+digests, or a raw checkpoint's files against their file lists. The sweep that
+follows every write lives here too, and the repair of a damaged index that
+every write path falls back to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from cedana_shim import errors
+
+from . import fsutil, gc
+from .compress import hash_fd
+from .core import INDEX, StoreCore
+from .filelist import CACHE_LIST_SUFFIX, MAX_FILE_LIST_BYTES, FileList, parse_file_list
+from .layout import (
+    ANN_CREATED,
+    ANN_ID,
+    ANN_LABEL,
+    ANN_SCOPE,
+    ANN_TITLE,
+    LAYOUT_VERSION,
+    MAX_CONFIG_BYTES,
+    MAX_MANIFEST_BYTES,
+    MEDIA_TYPE_FILE_LIST,
+    MEDIA_TYPE_INDEX,
+    CheckpointRef,
+    Descriptor,
+    Index,
+    Manifest,
+    dump_json,
+    parse_config,
+    parse_manifest,
+)
+from .model import Entry, LayerInfo, RepairReport, State, StepHook, StoreConfig
+from .rawfiles import verify_files
+from .repair import rebuild
+
+__all__ = ["Catalog", "newest_first"]
+
+log = logging.getLogger(__name__)
+
+
+def newest_first(refs: Iterable[CheckpointRef]) -> list[CheckpointRef]:
+    # created is when the dump happened; index position (commit order) breaks ties.
+    return sorted(refs, key=lambda r: (r.created_at, r.position), reverse=True)
+
+
+def manifest_state(manifest: Manifest, where: str) -> State:
+    raw = {d.media_type == MEDIA_TYPE_FILE_LIST for d in manifest.layers}
+    if raw == {True, False}:
+        raise errors.DataLoss(f"{where}: manifest mixes raw and compacted layers")
+    return "raw" if True in raw else "compacted"
+
+
+def _check_manifest_identity(manifest: Manifest, ref: CheckpointRef, where: str) -> None:
+    ann = manifest.annotations
+    for key, expected in (
+        (ANN_ID, ref.id),
+        (ANN_SCOPE, ref.scope),
+        (ANN_LABEL, ref.label),
+        (ANN_CREATED, ref.created),
+    ):
+        if key in ann and ann[key] != expected:
+            raise errors.DataLoss(
+                f"{where}: manifest annotation {key} is {ann[key]!r} but index.json says "
+                f"{expected!r}"
+            )
+
+
+class Catalog(StoreCore):
+    def __init__(self, config: StoreConfig, *, step_hook: StepHook | None = None) -> None:
+        super().__init__(config, step_hook=step_hook)
+        # The last repair of index.json this Store made (automatic ones included).
+        self.last_repair: RepairReport | None = None
+        try:
+            self._init_index()
+        except OSError as err:
+            raise self._os_error(err, f"opening checkpoint store {self.root}") from err
+
+    def _init_index(self) -> None:
+        names = set(os.listdir(self._root_fd))
+        if {"oci-layout", INDEX} <= names:
+            return  # initialised; no need to wait for the lock behind a commit
+        with self._index_lock():
+            try:
+                os.lstat(INDEX, dir_fd=self._root_fd)
+            except FileNotFoundError:
+                with self._blobs() as blobs, self._dir("raw") as raw:
+                    held = os.listdir(blobs) or os.listdir(raw)
+                if held:
+                    # An empty index over existing blobs would make gc delete them all.
+                    self._repair_locked(f"{self._index_path} is missing")
+                else:
+                    empty = {"schemaVersion": 2, "mediaType": MEDIA_TYPE_INDEX, "manifests": []}
+                    fsutil.write_file_atomic(self._root_fd, INDEX, dump_json(empty))
+            # Written last: its presence says the layout was fully initialised.
+            if "oci-layout" not in names:
+                fsutil.write_file_atomic(
+                    self._root_fd, "oci-layout", dump_json({"imageLayoutVersion": LAYOUT_VERSION})
+                )
+
+    # -- the index on write paths ----------------------------------------------
+
+    def _index_for_write(self) -> Index:
+        """The index, repaired first if damaged; the caller holds the index lock."""
+        try:
+            return self._load_index()
+        except errors.DataLoss as err:
+            self._repair_locked(str(err))
+        return self._load_index()
+
+    def _index_repaired(self) -> Index:
+        """The index, repaired first (under the lock) if it is damaged."""
+        try:
+            return self._load_index()
+        except errors.DataLoss:
+            with self._index_lock():
+                return self._index_for_write()
+
+    def _repair_locked(self, reason: str) -> RepairReport:
+        report = self.last_repair = rebuild(self, reason)
+        log.warning(
+            "checkpoint store index rebuilt",
+            extra={
+                "store": self.root,
+                "reason": reason,
+                "damaged_copy": report.damaged_copy,
+                "recovered": [cid for cid, _ in report.recovered],
+                "dropped": [f"{what}: {why}" for what, why in report.dropped],
+            },
+        )
+        return report
+
+    # -- entries ----------------------------------------------------------------
+
+    def _load_entry(self, ref: CheckpointRef) -> Entry:
+        desc = ref.descriptor
+        where = f"checkpoint {ref.id}"
+        try:
+            manifest = parse_manifest(
+                self._read_blob(desc.digest, MAX_MANIFEST_BYTES, f"{where}: manifest", desc.size),
+                f"{where}: manifest {desc.digest}",
+            )
+            _check_manifest_identity(manifest, ref, where)
+            cdesc = manifest.config
+            config = parse_config(
+                self._read_blob(cdesc.digest, MAX_CONFIG_BYTES, f"{where}: config", cdesc.size),
+                f"{where}: config {cdesc.digest}",
+                ref,
+            )
+            got = [
+                (d.annotations[ANN_TITLE], d.media_type, d.digest, d.size) for d in manifest.layers
+            ]
+            want = [(c.name, c.media_type, c.digest, c.size) for c in config.layers]
+            if got != want:
+                raise errors.DataLoss(f"{where}: manifest and config disagree about the layers")
+            state = manifest_state(manifest, where)
+            if state == "raw" and dict(config.raw_files) != {
+                c.name: c.digest for c in config.layers
+            }:
+                raise errors.DataLoss(f"{where}: config rawFiles disagree with the manifest")
+        except errors.DataLoss as err:
+            return Entry(
+                ref.id, ref.scope, ref.label, ref.created, desc.digest, desc.size,
+                MappingProxyType({}), (), damage=str(err),
+            )  # fmt: skip
+        raw = state == "raw"
+        layers = tuple(
+            LayerInfo(c.name, c.media_type, c.digest, c.raw_size if raw else c.size, c.raw_size)
+            for c in config.layers
+        )
+        size = desc.size + cdesc.size + sum(c.size for c in config.layers)
+        if raw:
+            size += sum(c.raw_size for c in config.layers)
+            raw_bytes = sum(c.raw_size for c in config.layers)
+        else:
+            raw_bytes = self._cache_bytes(ref.id)
+        return Entry(
+            ref.id, ref.scope, ref.label, ref.created, desc.digest, size,
+            MappingProxyType(config.metadata), layers, state=state, raw_bytes=raw_bytes,
+        )  # fmt: skip
+
+    def _cache_bytes(self, checkpoint_id: str) -> int:
+        """Bytes of the raw-image cache files of a compacted checkpoint (0: none)."""
+        try:
+            with self._dir("raw", checkpoint_id) as fd:
+                names = os.listdir(fd)
+                return sum(
+                    fsutil.tree_bytes(fd, n) for n in names if not n.endswith(CACHE_LIST_SUFFIX)
+                )
+        except (OSError, errors.DataLoss):
+            return 0
+
+    def _current(self, entry: Entry) -> Entry:
+        """The entry as on disk now; DataLoss if it vanished or is damaged.
+
+        A raw entry that was compacted meanwhile is the same checkpoint: its
+        compacted form is returned.
+        """
+        if entry.damage is not None:
+            raise errors.DataLoss(f"checkpoint {entry.id} is damaged: {entry.damage}")
+        for ref in self._read_index().checkpoints:
+            if ref.id == entry.id:
+                break
+        else:
+            raise errors.DataLoss(
+                f"checkpoint {entry.id} is no longer in {self.root} "
+                "(removed by retention or prune while in use)"
+            )
+        current = self._load_entry(ref)
+        if current.damage is not None:
+            raise errors.DataLoss(f"checkpoint {entry.id} is damaged: {current.damage}")
+        compacted = entry.state == "raw" and current.state == "compacted"
+        if current.manifest_digest != entry.manifest_digest and not compacted:
+            raise errors.DataLoss(
+                f"checkpoint {entry.id}: manifest changed from {entry.manifest_digest} "
+                f"to {current.manifest_digest}"
+            )
+        return current
+
+    # -- raw files -----------------------------------------------------------------
+
+    def _raw_path(self, checkpoint_id: str, *parts: str) -> str:
+        return self._path("raw", checkpoint_id, *parts)
+
+    @contextlib.contextmanager
+    def _raw_layer(
+        self, checkpoint_id: str, layer: str, what: str, raw_fd: int | None = None
+    ) -> Iterator[int]:
+        """The fd of raw/<id>/<layer> (from ``raw_fd``, raw/<id>, if given).
+
+        DataLoss naming ``what`` when it is missing or not a real directory.
+        """
+        path = self._raw_path(checkpoint_id, layer)
+        try:
+            if raw_fd is not None:
+                fd = fsutil.open_dir(raw_fd, layer, path=path)
+            else:
+                with self._dir("raw", checkpoint_id) as id_fd:
+                    fd = fsutil.open_dir(id_fd, layer, path=path)
+        except FileNotFoundError:
+            raise errors.DataLoss(f"{what}: raw files {path} are missing") from None
+        except errors.DataLoss as err:
+            raise errors.DataLoss(f"{what}: {err}") from None
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _file_list(self, entry: Entry, layer: str) -> FileList | None:
+        found = self._file_list_bytes(entry, layer)
+        return None if found is None else found[0]
+
+    def _file_list_bytes(self, entry: Entry, layer: str) -> tuple[FileList, bytes] | None:
+        """The file list of ``layer``'s raw files (and its bytes); None when it has none.
+
+        A raw layer's is its blob; a compacted checkpoint's cache keeps a copy
+        beside its files, checked against the digest its config records.
+        """
+        what = f"checkpoint {entry.id}: layer {layer!r}"
+        raw_files: Mapping[str, Any] = entry.metadata.get("rawFiles") or {}
+        digest = raw_files.get(layer)
+        if not isinstance(digest, str):
+            return None
+        if entry.state == "raw":
+            data = self._read_blob(digest, MAX_FILE_LIST_BYTES, f"{what}: file list")
+        else:
+            name = layer + CACHE_LIST_SUFFIX
+            path = self._raw_path(entry.id, name)
+            try:
+                with self._dir("raw", entry.id) as fd:
+                    data = fsutil.read_file_at(fd, name, MAX_FILE_LIST_BYTES, path=path)
+            except (FileNotFoundError, fsutil.TooLarge):
+                return None
+            if fsutil.sha256_bytes(data) != digest:
+                raise errors.DataLoss(f"{what}: {path} does not match the digest in the config")
+        files = parse_file_list(data, f"{what}: file list {digest}")
+        if files.layer != layer:
+            raise errors.DataLoss(f"{what}: its file list is layer {files.layer!r}'s")
+        return files, data
+
+    # -- checking --------------------------------------------------------------------
+
+    def _check(self, entry: Entry, *, deep: bool) -> None:
+        """DataLoss unless every blob (or raw file) of the loaded ``entry`` is intact."""
+        for layer in entry.layers:
+            if entry.state == "compacted":
+                self._check_layer_blob(entry, layer, deep=deep)
+                continue
+            what = f"checkpoint {entry.id}: layer {layer.name!r}"
+            files = self._file_list(entry, layer.name)
+            if files is None:
+                raise errors.DataLoss(f"{what}: no file list")
+            path = self._raw_path(entry.id, layer.name)
+            with self._raw_layer(entry.id, layer.name, what) as fd:
+                verify_files(fd, files, path=path, describe=f"{what} ({path})", deep=deep)
+
+    def _check_layer_blob(self, entry: Entry, layer: LayerInfo, *, deep: bool) -> None:
+        path = self._blob_path(layer.digest)
+        what = f"checkpoint {entry.id}: layer {layer.name!r} ({path})"
+        fd = self._open_blob(layer.digest, what)
+        try:
+            size = os.fstat(fd).st_size
+            if size != layer.size:
+                raise errors.DataLoss(
+                    f"{what}: blob is {size} bytes, expected {layer.size} (truncated?)"
+                )
+            if deep:
+                digest, _ = hash_fd(fd)
+                if digest != layer.digest:
+                    raise errors.DataLoss(
+                        f"{what}: blob is corrupt (sha256 is {digest}, expected {layer.digest})"
+                    )
+        finally:
+            os.close(fd)
+
+    # -- garbage -------------------------------------------------------------------
+
+    def _sweep_locked(self, index: Index) -> int:
+        """Delete what index.json does not reference; the caller holds the index lock."""
+        manifests: dict[str, bytes] = {}
+
+        def read(desc: Descriptor) -> bytes:
+            what = f"manifest {desc.digest}"
+            data = self._read_blob(desc.digest, MAX_MANIFEST_BYTES, what, desc.size)
+            manifests[desc.digest] = data
+            return data
+
+        keep = gc.referenced(index.descriptors, read)
+        freed = 0
+        if keep is not None:
+            with self._blobs() as blobs:
+                freed += gc.sweep_blobs(blobs, keep)
+        whole: set[str] = set()
+        cached: set[str] = set()
+        groups: dict[tuple[str, str], list[CheckpointRef]] = {}
+        for ref in index.checkpoints:
+            groups.setdefault((ref.scope, ref.label), []).append(ref)
+        for group in groups.values():
+            for rank, ref in enumerate(newest_first(group)):
+                state = self._state_from(manifests.get(ref.descriptor.digest))
+                if state != "compacted":  # raw, or unknown: keep as is
+                    whole.add(ref.id)
+                elif rank == 0 and self.config.cache_raw:
+                    cached.add(ref.id)
+        with self._dir("raw") as raw:
+            freed += gc.sweep_raw(raw, whole=whole, cached=cached)
+        # The previous format's raw-image cache (a symlink is unlinked, not followed).
+        freed += fsutil.remove_entry(self._root_fd, "cache")
+        return freed
+
+    @staticmethod
+    def _state_from(manifest: bytes | None) -> State | None:
+        if manifest is None:
+            return None
+        try:
+            return manifest_state(parse_manifest(manifest, "manifest"), "manifest")
+        except errors.DataLoss:
+            return None

@@ -1,0 +1,342 @@
+"""Compaction: a raw checkpoint becomes today's tar+zstd blobs, in the background.
+
+Sequence (each step a crash point, see COMPACT_STEPS): the checkpoint's
+``raw/<id>`` dir is flock'ed (two compactions of one checkpoint never overlap);
+each raw layer is compressed into a temp blob in a locked work dir under
+``ingest/`` while its files are checked against their CRC-32s in the same read
+(a mismatch is DataLoss and the checkpoint stays raw); the new config (which
+keeps ``rawFiles``) and manifest follow. Then, holding ``index.lock``: blobs are
+placed and the checkpoint's descriptor in index.json is replaced by the
+compacted one, same id, same created, same position: the commit marker again.
+Last, the raw files are kept as the raw-image cache (the newest checkpoint of
+its label, ``cache_raw`` on, only layers marked keep_raw, with a copy of their
+file list beside them) or deleted. Runs in a thread of its own at nice 10.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from cedana_shim import errors
+
+from . import fsutil, gc
+from .catalog import Catalog, newest_first
+from .compress import WrittenBlob, compress_stream
+from .filelist import CACHE_LIST_SUFFIX, FileList
+from .ingest import create_locked_dir
+from .layout import (
+    ANN_ID,
+    ANN_TITLE,
+    MEDIA_TYPE_CONFIG,
+    MEDIA_TYPE_MANIFEST,
+    Descriptor,
+    Index,
+    check_checkpoint_id,
+    dump_json,
+    dump_manifest,
+    parse_checkpoint_ref,
+)
+from .model import Entry
+from .rawfiles import write_layer
+
+__all__ = ["Compactor"]
+
+log = logging.getLogger(__name__)
+
+NICE: int = 10
+T = TypeVar("T")
+
+
+def run_niced(fn: Callable[[], T]) -> T:
+    """``fn()`` in a thread of its own at nice >= NICE: compaction competes with workloads.
+
+    A thread of its own, so the priority dies with it (a pool thread would keep
+    it); zstd's workers, created from it, inherit it.
+    """
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        tid = threading.get_native_id()
+        with contextlib.suppress(OSError):
+            current = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, max(current, NICE))
+        try:
+            result.append(fn())
+        except BaseException as err:  # re-raised in the caller's thread
+            failure.append(err)
+
+    thread = threading.Thread(target=run, name="cedana-compact")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+@dataclass(frozen=True)
+class _Compressed:
+    files: FileList
+    file_list: bytes
+    blob: WrittenBlob
+    tmp: str
+
+
+class Compactor(Catalog):
+    def compact(self, checkpoint_id: str) -> Entry | None:
+        """Compact a raw checkpoint (see the module doc); blocking, idempotent.
+
+        Returns the compacted entry (at once if it already was), or None if the
+        checkpoint is gone (removed by retention or prune meanwhile). DataLoss
+        when its raw files do not match their file lists: it stays raw.
+        """
+        if (why := check_checkpoint_id(checkpoint_id)) is not None:
+            raise errors.InvalidArgument(why)
+        try:
+            return run_niced(lambda: self._compact(checkpoint_id))
+        except OSError as err:
+            raise self._os_error(err, f"compacting checkpoint {checkpoint_id}") from err
+
+    def pending_compaction(self) -> list[str]:
+        """Raw checkpoints nobody is compacting now, oldest first."""
+        index = self._read_index()
+        pending: list[str] = []
+        for ref in reversed(newest_first(index.checkpoints)):
+            entry = self._load_entry(ref)
+            if entry.damage is not None or entry.state != "raw":
+                continue
+            try:
+                with self._dir("raw", ref.id) as fd:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # being compacted
+            except (OSError, errors.DataLoss) as err:
+                log.warning(
+                    "raw checkpoint cannot be compacted: %s", err, extra={"checkpoint": ref.id}
+                )
+                continue
+            pending.append(ref.id)
+        return pending
+
+    def _find(self, checkpoint_id: str) -> Entry | None:
+        for ref in self._index_repaired().checkpoints:
+            if ref.id == checkpoint_id:
+                return self._load_entry(ref)
+        return None
+
+    def _compact(self, checkpoint_id: str) -> Entry | None:
+        entry = self._find_raw(checkpoint_id)
+        if entry is None or entry.state == "compacted":
+            return entry
+        try:
+            with self._raw_locked(checkpoint_id) as raw_fd:
+                self._step("compact-locked")
+                # Again: a compaction that held the lock may have just finished.
+                entry = self._find_raw(checkpoint_id)
+                if entry is None or entry.state == "compacted":
+                    return entry
+                return self._compact_locked(entry, raw_fd)
+        except FileNotFoundError:
+            if self._find(checkpoint_id) is None:
+                return None
+            raise errors.DataLoss(
+                f"checkpoint {checkpoint_id}: raw files {self._raw_path(checkpoint_id)} are missing"
+            ) from None
+
+    def _find_raw(self, checkpoint_id: str) -> Entry | None:
+        """The checkpoint (None if gone); DataLoss if it cannot be read."""
+        entry = self._find(checkpoint_id)
+        if entry is not None and entry.damage is not None:
+            raise errors.DataLoss(f"checkpoint {entry.id} is damaged: {entry.damage}")
+        return entry
+
+    @contextlib.contextmanager
+    def _raw_locked(self, checkpoint_id: str) -> Iterator[int]:
+        with self._dir("raw", checkpoint_id) as fd:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield fd
+
+    def _compact_locked(self, entry: Entry, raw_fd: int) -> Entry | None:
+        with self._dir("ingest") as ingest_root:
+            name, work_fd, lock_fd = create_locked_dir(
+                ingest_root,
+                lambda: f"compact-{entry.id}-{secrets.token_hex(4)}",
+                {"compacting": entry.id},
+            )
+            try:
+                compressed = [
+                    self._compress(entry, i, raw_fd, work_fd) for i in range(len(entry.layers))
+                ]
+                config, manifest = self._write_compacted(entry, compressed, work_fd)
+                return self._swap(entry, compressed, work_fd, (config, manifest), raw_fd)
+            finally:
+                fsutil.remove_entry(ingest_root, name)  # while locked: gc keeps off
+                os.close(work_fd)
+                os.close(lock_fd)
+
+    def _compress(self, entry: Entry, i: int, raw_fd: int, work_fd: int) -> _Compressed:
+        layer = entry.layers[i]
+        what = f"checkpoint {entry.id}: layer {layer.name!r}"
+        found = self._file_list_bytes(entry, layer.name)
+        if found is None:
+            raise errors.DataLoss(f"{what}: no file list")
+        files, file_list = found
+        path = self._raw_path(entry.id, layer.name)
+        describe = f"{what} ({path})"
+        with self._raw_layer(entry.id, layer.name, what, raw_fd) as layer_fd:
+            tmp = f"layer-{i}"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600, dir_fd=work_fd)
+            try:
+                blob = compress_stream(
+                    fd,
+                    lambda out: write_layer(layer_fd, files, out, path=path, describe=describe),
+                    level=self.config.compression_level,
+                    threads=self.config.threads,
+                    on_first_write=lambda: self._step("layer-writing"),
+                )
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self._step("layer-written")
+        if files.cache and self.config.cache_raw:
+            # Beside the files it describes, for raw_images() once compacted.
+            fsutil.write_file_atomic(raw_fd, layer.name + CACHE_LIST_SUFFIX, file_list)
+        return _Compressed(files, file_list, blob, tmp)
+
+    def _write_compacted(
+        self, entry: Entry, compressed: list[_Compressed], work_fd: int
+    ) -> tuple[Descriptor, Descriptor]:
+        config = {
+            **entry.metadata,
+            "sizes": {
+                "raw": sum(c.blob.raw_size for c in compressed),
+                "stored": sum(c.blob.size for c in compressed),
+            },
+            "layers": [
+                {
+                    "name": c.files.layer,
+                    "media_type": c.files.media_type,
+                    "digest": c.blob.digest,
+                    "size": c.blob.size,
+                    "raw_size": c.blob.raw_size,
+                }
+                for c in compressed
+            ],
+        }
+        config_bytes = dump_json(config)
+        fsutil.create_file_at(work_fd, "config", config_bytes)
+        config_desc = Descriptor(
+            MEDIA_TYPE_CONFIG, fsutil.sha256_bytes(config_bytes), len(config_bytes)
+        )
+        self._step("compact-config-written")
+        layers = [
+            Descriptor(c.files.media_type, c.blob.digest, c.blob.size, {ANN_TITLE: c.files.layer})
+            for c in compressed
+        ]
+        annotations = self._annotations(entry)
+        data = dump_manifest(annotations, config_desc, layers)
+        fsutil.create_file_at(work_fd, "manifest", data)
+        self._step("compact-manifest-written")
+        manifest = Descriptor(
+            MEDIA_TYPE_MANIFEST, fsutil.sha256_bytes(data), len(data), annotations
+        )
+        return config_desc, manifest
+
+    def _annotations(self, entry: Entry) -> dict[str, str]:
+        for ref in self._read_index().checkpoints:
+            if ref.id == entry.id:
+                return dict(ref.descriptor.annotations)
+        raise errors.Internal(f"checkpoint {entry.id} vanished from {self._index_path}")
+
+    def _swap(
+        self,
+        entry: Entry,
+        compressed: list[_Compressed],
+        work_fd: int,
+        documents: tuple[Descriptor, Descriptor],
+        raw_fd: int,
+    ) -> Entry | None:
+        """Place the blobs and swap the descriptor in index.json; then release the raw files."""
+        with self._index_lock():
+            self._step("compact-index-locked")
+            index = self._index_for_write()
+            position = self._position(index, entry.id)
+            if position is None:
+                return None  # removed meanwhile: the temp blobs go with the work dir
+            current = index.descriptors[position]
+            if current.digest != entry.manifest_digest:
+                return self._load_entry(parse_checkpoint_ref(current, position, "index.json"))
+            new_index = self._commit_swap(index, position, compressed, work_fd, documents)
+            self._release_raw(entry, new_index, raw_fd)
+            self._step("raw-released")
+            try:
+                self._sweep_locked(new_index)
+            except OSError as err:  # the checkpoint is compacted; gc can run again later
+                log.warning("gc after compaction failed: %s", err)
+            self._step("gc-done")
+        desc = new_index.descriptors[position]
+        return self._load_entry(parse_checkpoint_ref(desc, position, "index.json"))
+
+    @staticmethod
+    def _position(index: Index, checkpoint_id: str) -> int | None:
+        for i, desc in enumerate(index.descriptors):
+            if desc.annotations.get(ANN_ID) == checkpoint_id:
+                return i
+        return None
+
+    def _commit_swap(
+        self,
+        index: Index,
+        position: int,
+        compressed: list[_Compressed],
+        work_fd: int,
+        documents: tuple[Descriptor, Descriptor],
+    ) -> Index:
+        config, manifest = documents
+        old = index.descriptors[position]
+        placed: list[str] = []
+        committed = False
+        try:
+            with self._blobs() as blobs:
+                for c in compressed:
+                    self._place(work_fd, c.tmp, blobs, c.blob.digest, placed)
+                self._place(work_fd, "config", blobs, config.digest, placed)
+                os.fsync(blobs)
+                self._step("compact-blobs-placed")
+                self._place(work_fd, "manifest", blobs, manifest.digest, placed)
+                os.fsync(blobs)
+                self._step("compact-manifest-placed")
+            # Same annotations (id, created...) and unknown fields: only the manifest changes.
+            descriptors = list(index.descriptors)
+            descriptors[position] = Descriptor(
+                MEDIA_TYPE_MANIFEST, manifest.digest, manifest.size, old.annotations, raw=old.raw
+            )
+            new_index = self._replace_index(index, descriptors, "compact-index-temp-written")
+            committed = True
+            self._step("compact-index-replaced")
+            os.fsync(self._root_fd)
+            self._step("compact-committed")
+        except BaseException:
+            if not committed:
+                self._unplace(placed)
+            raise
+        return new_index
+
+    def _release_raw(self, entry: Entry, index: Index, raw_fd: int) -> None:
+        """Keep the raw files as the label's raw-image cache, or delete them."""
+        group = [r for r in index.checkpoints if (r.scope, r.label) == (entry.scope, entry.label)]
+        newest = newest_first(group)[0].id == entry.id
+        with self._dir("raw") as raw:
+            if newest and self.config.cache_raw:
+                gc.trim_cache(raw, entry.id)
+            else:
+                fsutil.remove_entry(raw, entry.id)

@@ -1,0 +1,105 @@
+"""Trimming and fixing the store: remove, prune, gc and repair."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Final, TypeAlias
+
+from cedana_shim import errors
+
+from . import gc
+from .catalog import Catalog, newest_first
+from .core import INDEX_TMP_PREFIX
+from .ingest import sweep_ingests
+from .layout import ANN_ID, CheckpointRef, Index, check_checkpoint_id
+from .model import RepairReport
+
+__all__ = ["Maintenance"]
+
+log = logging.getLogger(__name__)
+
+# A spool file left behind (a restore killed while spooling) is collected after this.
+SPOOL_GRACE_S: Final = 3600.0
+_Ids: TypeAlias = list[str]
+
+
+class Maintenance(Catalog):
+    def remove(self, checkpoint_id: str) -> None:
+        if (why := check_checkpoint_id(checkpoint_id)) is not None:
+            raise errors.InvalidArgument(why)
+        self._drop(
+            lambda index: {checkpoint_id} & {r.id for r in index.checkpoints} or None, checkpoint_id
+        )
+
+    def prune(self, *, scope: str | None = None, label: str | None = None, keep: int) -> _Ids:
+        """Keep the newest ``keep`` per matching (scope, label); return the removed ids."""
+        if keep < 0:
+            raise errors.InvalidArgument(f"keep must be >= 0, got {keep}")
+
+        def select(index: Index) -> set[str]:
+            groups: dict[tuple[str, str], list[CheckpointRef]] = {}
+            for r in index.checkpoints:
+                if (scope is None or r.scope == scope) and (label is None or r.label == label):
+                    groups.setdefault((r.scope, r.label), []).append(r)
+            return {r.id for g in groups.values() for r in newest_first(g)[keep:]}
+
+        return self._drop(select, None)
+
+    def _drop(self, select: Callable[[Index], set[str] | None], must: str | None) -> _Ids:
+        try:
+            with self._index_lock():
+                index = self._index_for_write()
+                drops = select(index)
+                if drops is None:
+                    raise errors.NotFound(f"checkpoint {must} not found in {self.root}")
+                if not drops:
+                    return []
+                removed = [r.id for r in newest_first(index.checkpoints) if r.id in drops]
+                descriptors = [
+                    d for d in index.descriptors if d.annotations.get(ANN_ID) not in drops
+                ]
+                self._sweep_locked(self._write_index(index, descriptors))
+                return removed
+        except OSError as err:
+            raise self._os_error(err, f"removing checkpoints from {self.root}") from err
+
+    def gc(self) -> int:
+        """Delete what no published checkpoint needs; returns the bytes freed.
+
+        Unreferenced blobs and raw dirs (of crashed publishes and compactions, of
+        removed checkpoints), raw-image caches of all but the newest checkpoint
+        per label, the previous format's ``cache/``, ingest and compaction dirs
+        of dead writers, stale index.json temp files and spool files. Never
+        touches a write in progress in another process (see the module doc).
+        """
+        try:
+            with self._index_lock():
+                # Index temp files are only written under the lock: any seen now is stale.
+                freed = gc.sweep_stale_files(self._root_fd, INDEX_TMP_PREFIX)
+                freed += self._sweep_locked(self._index_for_write())
+            with self._dir("ingest") as ingest_root:
+                freed += sweep_ingests(ingest_root)
+            try:
+                with self._dir("spool") as spool:
+                    freed += gc.sweep_stale_files(spool, "", time.time() - SPOOL_GRACE_S)
+            except FileNotFoundError:
+                pass
+            return freed
+        except OSError as err:
+            raise self._os_error(err, f"collecting garbage in {self.root}") from err
+
+    def repair(self) -> RepairReport:
+        """Rebuild index.json if it is missing or damaged (see repair.py); else do nothing."""
+        try:
+            with self._index_lock():
+                try:
+                    self._load_index()
+                except errors.DataLoss as err:
+                    return self._repair_locked(str(err))
+                return RepairReport(
+                    self._index_path, None, f"{self._index_path} is intact", rebuilt=False
+                )
+        except OSError as err:
+            raise self._os_error(err, f"repairing {self._index_path}") from err

@@ -1,0 +1,315 @@
+"""Reading checkpoints: list, get, verify, extract and stream layers, raw or compacted.
+
+A raw checkpoint's layers are read from ``raw/<id>/<layer>`` and checked
+against their file lists (size, CRC-32) in the same pass; a compacted one's
+from its blobs (size, sha256). An entry read before a concurrent compaction
+finished is still good: its compacted form is used.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import threading
+from collections.abc import Callable, Collection
+from typing import IO, TYPE_CHECKING, BinaryIO, TypeAlias
+
+from cedana_shim import errors
+
+from . import compress, fsutil
+from .catalog import Catalog, newest_first
+from .compress import CHUNK, LayerStream, extract_tar, extract_tar_zstd
+from .core import SPACE_ERRNOS
+from .filelist import FileList
+from .ingest import in_flight
+from .layout import check_checkpoint_id, check_scope_or_label
+from .model import Entry, LayerInfo
+from .rawfiles import CheckingReader, copy_out, open_listed, write_tar
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = ["Reader"]
+
+# `list` is a method name below, so the class body cannot say list[...].
+_Entries: TypeAlias = list[Entry]
+_Ids: TypeAlias = list[str]
+
+
+class _TarPipe(io.RawIOBase):
+    """The bytes a thread produces (a raw dir layer's tar), read through a pipe.
+
+    The producer's error, if any, is raised at the end of the stream.
+    """
+
+    def __init__(self, produce: Callable[[IO[bytes]], None]) -> None:
+        super().__init__()
+        rfd, wfd = os.pipe2(os.O_CLOEXEC)
+        self._fd = rfd
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                with open(wfd, "wb", buffering=CHUNK) as out:
+                    produce(out)
+            except BrokenPipeError:
+                pass  # the reader closed early
+            except BaseException as err:  # handed to the reader at the end of the stream
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name="cedana-raw-tar", daemon=True)
+        self._thread.start()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Buffer) -> int:
+        n = os.readv(self._fd, [b])
+        if n == 0:
+            self._thread.join()
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+            self._thread.join()
+        super().close()
+
+
+class Reader(Catalog):
+    def list(self, *, scope: str | None = None, label: str | None = None) -> _Entries:
+        """Published checkpoints, newest first, optionally of one scope and/or label."""
+        index = self._read_index()
+        refs = newest_first(
+            r
+            for r in index.checkpoints
+            if (scope is None or r.scope == scope) and (label is None or r.label == label)
+        )
+        entries = [self._load_entry(r) for r in refs]
+        if any(e.damage for e in entries):
+            # A blob may have been deleted by a concurrent remove/retention (or a
+            # compaction) after we read the index: such entries are gone (or
+            # compacted), not damaged.
+            now = {r.id: r for r in self._read_index().checkpoints}
+            entries = [
+                self._load_entry(now[e.id])
+                if e.damage and now[e.id].descriptor.digest != e.manifest_digest
+                else e
+                for e in entries
+                if e.id in now
+            ]
+        return entries
+
+    def _reload(self, checkpoint_id: str) -> Entry:
+        for ref in self._read_index().checkpoints:
+            if ref.id == checkpoint_id:
+                return self._load_entry(ref)
+        raise errors.NotFound(f"checkpoint {checkpoint_id} not found in {self.root}")
+
+    def candidates(self, scope: str, label: str) -> _Entries:
+        """What a restore of ``label`` in ``scope`` should try, in order (newest first).
+
+        Damaged entries are included: the caller verifies each and falls back.
+        """
+        for what, value in (("scope", scope), ("label", label)):
+            if (why := check_scope_or_label(what, value)) is not None:
+                raise errors.InvalidArgument(why)
+        return self.list(scope=scope, label=label)
+
+    def get(self, checkpoint_id: str) -> Entry:
+        if (why := check_checkpoint_id(checkpoint_id)) is not None:
+            raise errors.InvalidArgument(why)
+        return self._reload(checkpoint_id)
+
+    def in_flight(self, scope: str, label: str) -> _Ids:
+        """Ids of checkpoints of (scope, label) still being written by a live process."""
+        with self._dir("ingest") as ingest_root:
+            return in_flight(ingest_root, scope, label)
+
+    def spool_dir(self) -> str:
+        """A private (0700) directory on the store's filesystem for temporary spools."""
+        with self._dir("spool", create=True):
+            pass
+        return self._path("spool")
+
+    def verify(self, entry: Entry, *, deep: bool = True, require: Collection[str] = ()) -> None:
+        """Raise DataLoss unless everything ``entry`` is made of is present and intact.
+
+        Checks the manifest and config (digests, JSON shape, agreement with the
+        index), then each layer: a blob's size and, with ``deep``, its sha256
+        (~1.5 GB/s), or a raw layer's files' sizes and, with ``deep``, their
+        CRC-32s. ``require`` names layers that must be present.
+        """
+        current = self._current(entry)
+        names = {x.name for x in current.layers}
+        for name in require:
+            if name not in names:
+                raise errors.DataLoss(f"checkpoint {entry.id} has no {name!r} layer")
+        self._check(current, deep=deep)
+
+    # -- extracting --------------------------------------------------------------------
+
+    def extract_layer(self, entry: Entry, name: str, dest_dir: str) -> None:
+        """Unpack a layer into ``dest_dir`` (created, 0700; must not exist or be empty).
+
+        Checked in the same pass (a blob's digest, raw files' CRC-32s); tar
+        members other than plain files and directories (links, devices, FIFOs),
+        absolute paths and ``..`` are refused. The result appears at
+        ``dest_dir`` by rename only when all is well: on error nothing is left.
+        """
+        current = self._current(entry)
+        layer = current.layer(name)
+        dest = os.path.abspath(dest_dir)
+        if os.path.lexists(dest) and (
+            os.path.islink(dest) or not os.path.isdir(dest) or os.listdir(dest)
+        ):
+            raise errors.FailedPrecondition(
+                f"cannot extract checkpoint {entry.id} layer {name!r} into {dest}: "
+                "it exists and is not an empty directory"
+            )
+        parent = os.path.dirname(dest)
+        tmp: str | None = None
+        try:
+            os.makedirs(parent, mode=0o700, exist_ok=True)
+            tmp = fsutil.mkdtemp_private(parent, f".{os.path.basename(dest)}.extract-")
+            if current.state == "raw":
+                self._extract_raw(current, name, tmp)
+            else:
+                self._extract_blob(current, layer, tmp)
+            os.rename(tmp, dest)  # atomically replaces an empty dest directory
+            tmp = None
+        except OSError as err:
+            if err.errno in SPACE_ERRNOS:
+                raise errors.ResourceExhausted(
+                    f"no space left on {parent} extracting checkpoint {entry.id} layer "
+                    f"{name!r} ({layer.raw_size} bytes uncompressed): free space there and retry"
+                ) from err
+            raise errors.Internal(
+                f"extracting checkpoint {entry.id} layer {name!r} into {dest}: {err}"
+            ) from err
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _extract_blob(self, entry: Entry, layer: LayerInfo, dest: str) -> None:
+        describe = f"checkpoint {entry.id}: layer {layer.name!r} ({self._blob_path(layer.digest)})"
+        fd = self._open_blob(layer.digest, describe)
+        try:
+            extract_tar_zstd(fd, layer.digest, layer.size, dest, describe)
+        finally:
+            os.close(fd)
+
+    def _raw_files(self, entry: Entry, name: str) -> tuple[FileList, str, str]:
+        """(file list, raw dir path, description) of a raw layer."""
+        what = f"checkpoint {entry.id}: layer {name!r}"
+        files = self._file_list(entry, name)
+        if files is None:
+            raise errors.DataLoss(f"{what}: no file list")
+        path = self._raw_path(entry.id, name)
+        return files, path, f"{what} ({path})"
+
+    def _extract_raw(self, entry: Entry, name: str, dest: str) -> None:
+        files, path, describe = self._raw_files(entry, name)
+        with self._raw_layer(entry.id, name, describe) as layer_fd:
+            if files.kind == "dir":
+                dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    copy_out(layer_fd, files, dest_fd, path=path, describe=describe)
+                finally:
+                    os.close(dest_fd)
+                return
+            (raw,) = files.files
+            fd = open_listed(layer_fd, raw, path=path, describe=describe)
+        try:
+            reader = CheckingReader(fd, raw, describe)
+            extract_tar(reader, dest, describe)
+            reader.drain()
+        finally:
+            os.close(fd)
+
+    # -- streaming -----------------------------------------------------------------------
+
+    def open_layer(self, entry: Entry, name: str) -> BinaryIO:
+        """A checked stream of a layer's tar, for the caller to apply.
+
+        A compacted layer's blob is verified first (sha256) and again as it is
+        decompressed; a raw file layer's tar is verified first (CRC-32); a raw
+        dir layer's tar is made as it is read, each file checked as it goes.
+        """
+        current = self._current(entry)
+        current.layer(name)
+        if current.state == "raw":
+            stream = self._open_raw(current, name)
+            if stream is not None:
+                return stream
+            current = self._current(entry)  # compacted meanwhile
+        return self._open_blob_layer(current, current.layer(name))
+
+    def layer_source(self, entry: Entry, name: str) -> BinaryIO | None:
+        """A raw checkpoint's file layer as its seekable tar file, verified (CRC-32).
+
+        None when the layer is compressed (use open_layer) or a directory. The
+        file is open: a concurrent compaction deleting it does not matter.
+        """
+        current = self._current(entry)
+        current.layer(name)
+        if current.state != "raw":
+            return None
+        files = self._file_list(current, name)
+        if files is None or files.kind != "file":
+            return None
+        return self._open_raw(current, name)
+
+    def _open_raw(self, entry: Entry, name: str) -> BinaryIO | None:
+        """A raw layer's tar stream; None if compaction removed its files meanwhile."""
+        files, path, describe = self._raw_files(entry, name)
+        try:
+            with self._raw_layer(entry.id, name, describe) as layer_fd:
+                if files.kind == "dir":
+                    produce_fd = os.dup(layer_fd)
+                else:
+                    fd = open_listed(layer_fd, files.files[0], path=path, describe=describe)
+        except errors.DataLoss:
+            if self._current(entry).state == "compacted":
+                return None
+            raise
+        if files.kind == "dir":
+
+            def produce(out: IO[bytes]) -> None:
+                try:
+                    write_tar(produce_fd, files, out, path=path, describe=describe)
+                finally:
+                    os.close(produce_fd)
+
+            return io.BufferedReader(_TarPipe(produce), buffer_size=CHUNK)
+        try:
+            CheckingReader(fd, files.files[0], describe).drain()
+            os.lseek(fd, 0, os.SEEK_SET)
+        except BaseException:
+            os.close(fd)
+            raise
+        return os.fdopen(fd, "rb")
+
+    def _open_blob_layer(self, entry: Entry, layer: LayerInfo) -> BinaryIO:
+        path = self._blob_path(layer.digest)
+        describe = f"checkpoint {entry.id}: layer {layer.name!r} ({path})"
+        fd = self._open_blob(layer.digest, describe)
+        try:
+            size = os.fstat(fd).st_size
+            if size != layer.size:
+                raise errors.DataLoss(f"{describe}: blob is {size} bytes, expected {layer.size}")
+            digest, _ = compress.hash_fd(fd)
+            if digest != layer.digest:
+                raise errors.DataLoss(
+                    f"{describe}: blob is corrupt (sha256 is {digest}, expected {layer.digest})"
+                )
+            os.lseek(fd, 0, os.SEEK_SET)
+            raw = LayerStream(fd, layer.digest, layer.size, describe)
+        except BaseException:
+            os.close(fd)
+            raise
+        return io.BufferedReader(raw, buffer_size=CHUNK)

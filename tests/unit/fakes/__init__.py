@@ -1,0 +1,1 @@
+"""Test doubles for the edges of the unit tests (executables the shim runs)."""
