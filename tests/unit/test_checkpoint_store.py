@@ -37,12 +37,9 @@ from cedana_shim.checkpoint.store.layout import (
     MEDIA_TYPE_ROOTFS_DIFF,
     parse_created,
 )
+from store_support import blob_names, make_store, read_blob, referenced_blobs
 
 # --------------------------------------------------------------------------- helpers
-
-
-def make_store(tmp_path: Path, **kw: object) -> Store:
-    return Store(StoreConfig(root=str(tmp_path / "store"), **kw))  # type: ignore[arg-type]
 
 
 def write_tree(root: Path, files: dict[str, tuple[bytes, int]]) -> None:
@@ -71,24 +68,6 @@ def begin_with_files(store: Store, scope: str = "ns", label: str = "app") -> Ing
     write_tree(Path(ing.dir("criu")), {"pages-1.img": (os.urandom(1000), 0o600)})
     ing.add_dir_layer("criu", ing.dir("criu"), MEDIA_TYPE_CRIU)
     return ing
-
-
-def blob_names(store: Store) -> set[str]:
-    return set(os.listdir(os.path.join(store.root, "blobs", "sha256")))
-
-
-def referenced_blobs(store: Store) -> set[str]:
-    out: set[str] = set()
-    for e in store.list():
-        out.add(e.manifest_digest.removeprefix("sha256:"))
-        manifest = json.loads(read_blob(store, e.manifest_digest))
-        out.add(manifest["config"]["digest"].removeprefix("sha256:"))
-        out.update(x.digest.removeprefix("sha256:") for x in e.layers)
-    return out
-
-
-def read_blob(store: Store, digest: str) -> bytes:
-    return Path(store.root, "blobs", "sha256", digest.removeprefix("sha256:")).read_bytes()
 
 
 def blob_path(store: Store, digest: str) -> Path:

@@ -98,7 +98,7 @@ class CheckpointManager:
         return self._writing[(scope, label)] > 0
 
     @contextlib.contextmanager
-    def _writing_label(self, policy: Policy) -> Any:
+    def writing_label(self, policy: Policy) -> Any:
         key = (policy.scope, policy.label)
         self._writing[key] += 1
         try:
@@ -207,7 +207,7 @@ class Checkpointing:
         """Dump and publish while the container keeps running; durable on return."""
         async with self._dump_lock:
             init.commit("checkpoint")
-            with self.manager._writing_label(self.policy):
+            with self.manager.writing_label(self.policy):
                 try:
                     dump = await self._dump(target(), request)
                 finally:
@@ -276,7 +276,7 @@ class Checkpointing:
             init.begin_stop(sig)
             current = target()
             dump: Dump | None = None
-            with self.manager._writing_label(self.policy), _stopping_marked(current.bundle, sig):
+            with self.manager.writing_label(self.policy), _stopping_marked(current.bundle, sig):
                 try:
                     dump = await self._dump(current, DumpRequest(reason, keep_frozen=True))
                     entry = await self._publish(dump, reason)
