@@ -36,7 +36,7 @@ import subprocess
 import tarfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -75,6 +75,7 @@ from .harness.cr_support import (
     started_cold,
     stopped,
     store_is_sound,
+    tmpfs_store,
     tree_bytes,
     unique_label,
     wait_compacted,
@@ -285,23 +286,6 @@ def _fill(path: Path) -> None:
                 f.write(b"\0" * 4096)
             except OSError:
                 break
-
-
-@contextlib.contextmanager
-def tmpfs_store(containerd: Containerd, size_mib: int) -> Iterator[Path]:
-    """A small tmpfs mounted as the instance's store before any shim has used it (the
-    shim opens the store lazily, at the first opted-in container)."""
-    store = containerd.store
-    assert not store.exists(), "the store was used before the tmpfs could be mounted"
-    store.mkdir(mode=0o700)
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0700", "tmpfs", str(store)],
-        check=True,
-    )
-    try:
-        yield store
-    finally:
-        subprocess.run(["umount", "-l", str(store)], check=False)
 
 
 @pytest.mark.parametrize("phase", ["dump", "compact"])

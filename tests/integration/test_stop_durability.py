@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +31,7 @@ from cedana_shim.checkpoint.store import Entry
 
 from .harness.config import CTR_NAMESPACE
 from .harness.containerd import Containerd
-from .harness.cr_events import TOPIC_COMMITTED, TOPIC_EXIT, TOPIC_FAILED, TOPIC_RESTORE, EventStream
+from .harness.cr_events import TOPIC_COMMITTED, TOPIC_EXIT, TOPIC_FAILED, EventStream
 from .harness.cr_support import (
     ShimLog,
     Workloads,
@@ -42,7 +41,9 @@ from .harness.cr_support import (
     ingest_dirs,
     restored_from,
     shim_pid,
+    started_cold,
     store_is_sound,
+    tmpfs_store,
     unique_label,
     wait_compacted,
     wait_criu,
@@ -158,14 +159,9 @@ def test_store_filling_up_before_the_checkpoint_is_durable_delivers_the_signal(
     hooks = tmp_path / "hooks.d"
     hooks.mkdir()
     _fill_hook(hooks)
-    store = c.store
-    store.mkdir(mode=0o700)
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=96m,mode=0700", "tmpfs", str(store)], check=True
-    )
-    c.extra_env["CEDANA_HOOKS_DIRS"] = str(hooks)
-    c.restart()
-    try:
+    with tmpfs_store(c, 96) as store:
+        c.extra_env["CEDANA_HOOKS_DIRS"] = str(hooks)
+        c.restart()
         with (
             EventStream(c.socket) as events,
             Workloads(
@@ -186,12 +182,7 @@ def test_store_filling_up_before_the_checkpoint_is_durable_delivers_the_signal(
             w.delete(a)
             assert entries(store) == []
             assert not ingest_dirs(store), "the failed checkpoint's staging dir was left"
-
-            b = w.start("b")
-            outcome = events.wait_topic(TOPIC_RESTORE, b.cid, timeout=30)
-            assert outcome.field("outcome") == "cold", outcome
-    finally:
-        subprocess.run(["umount", "-l", str(store)], check=False)
+            started_cold(events, w.start("b"))
 
 
 def test_shim_killed_while_the_checkpoint_compresses(
@@ -232,21 +223,6 @@ def test_shim_killed_while_the_checkpoint_compresses(
         assert isinstance(entry, Entry) and entry.state == "compacted"
 
 
-def _node_log(c: Containerd, msg: str, **fields: object) -> list[dict[str, object]]:
-    """Records of the shims' own log file (node config log_file) with msg and fields."""
-    if not c.shim_log_file.exists():
-        return []
-    found = []
-    for line in c.shim_log_file.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("msg") == msg and all(record.get(k) == v for k, v in fields.items()):
-            found.append(record)
-    return found
-
-
 def test_compaction_after_the_task_is_deleted_is_logged_in_the_node_log(
     fresh_containerd: Containerd, new_id: NewId
 ) -> None:
@@ -267,10 +243,7 @@ def test_compaction_after_the_task_is_deleted_is_logged_in_the_node_log(
         committed = events.wait_commit(a.cid, timeout=60)
         events.wait_topic(TOPIC_EXIT, a.cid, timeout=30)
         w.delete(a)  # at once: the compression is still running
-        wait_for(
-            lambda: _node_log(c, "checkpoint compacted", checkpoint=committed.checkpoint_id),
-            timeout=60,
-            what="the compaction's record in the node log file",
-        )
-        assert _node_log(c, "checkpoint committed", container=a.cid)
+        node_log = ShimLog(c, path=c.shim_log_file)
+        node_log.wait("checkpoint compacted", checkpoint=committed.checkpoint_id, timeout=60)
+        assert node_log.find("checkpoint committed", container=a.cid)
         assert c.shim_log_file.stat().st_mode & 0o777 == 0o600

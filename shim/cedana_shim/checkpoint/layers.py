@@ -11,13 +11,15 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .store.layout import MEDIA_TYPE_CRIU, MEDIA_TYPE_ROOTFS_DIFF, MEDIA_TYPE_SHM
+
 CRIU_LAYER = "criu"
 ROOTFS_LAYER = "rootfs-diff"
 SHM_LAYER = "shm"
 MEDIA_TYPES = {
-    CRIU_LAYER: "application/vnd.cedana.checkpoint.criu.v1.tar+zstd",
-    ROOTFS_LAYER: "application/vnd.cedana.checkpoint.rootfs-diff.v1.tar+zstd",
-    SHM_LAYER: "application/vnd.cedana.checkpoint.shm.v1.tar+zstd",
+    CRIU_LAYER: MEDIA_TYPE_CRIU,
+    ROOTFS_LAYER: MEDIA_TYPE_ROOTFS_DIFF,
+    SHM_LAYER: MEDIA_TYPE_SHM,
 }
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import tarfile
 import time
 import uuid
@@ -45,6 +46,7 @@ __all__ = [
     "shim_pid",
     "started_cold",
     "store_is_sound",
+    "tmpfs_store",
     "unique_label",
     "wait_compacted",
     "wait_ticks",
@@ -179,19 +181,26 @@ def started_cold(events: EventStream, box: Box) -> Event:
 
 
 class ShimLog:
-    """The shim's structured records written to containerd's log since `mark()`."""
+    """The shim's structured records written to containerd's log since `mark()`, or,
+    with `path`, those in the shims' own log file (node config log_file)."""
 
-    def __init__(self, containerd: Containerd) -> None:
+    def __init__(self, containerd: Containerd, *, path: Path | None = None) -> None:
         self.containerd = containerd
-        self.offset = containerd.log_offset()
+        self.path = path
+        self.offset = 0 if path is not None else containerd.log_offset()
 
     def mark(self) -> ShimLog:
         self.offset = self.containerd.log_offset()
         return self
 
+    def _text(self) -> str:
+        if self.path is None:
+            return self.containerd.log_since(self.offset, limit=50_000_000)
+        return self.path.read_text(errors="replace") if self.path.exists() else ""
+
     def records(self) -> list[dict[str, Any]]:
         out = []
-        for line in self.containerd.log_since(self.offset, limit=50_000_000).splitlines():
+        for line in self._text().splitlines():
             if not line.startswith("{"):
                 continue
             with contextlib.suppress(ValueError):
@@ -226,6 +235,23 @@ class ShimLog:
 
 
 # -- the store ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def tmpfs_store(containerd: Containerd, size_mib: int) -> Iterator[Path]:
+    """A small tmpfs mounted as the instance's store before any shim has used it (the
+    shim opens the store lazily, at the first opted-in container)."""
+    store = containerd.store
+    assert not store.exists(), "the store was used before the tmpfs could be mounted"
+    store.mkdir(mode=0o700)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0700", "tmpfs", str(store)],
+        check=True,
+    )
+    try:
+        yield store
+    finally:
+        subprocess.run(["umount", "-l", str(store)], check=False)
 
 
 def open_store(root: Path) -> Store:

@@ -35,6 +35,7 @@ __all__ = [
     "MEDIA_TYPE_INDEX",
     "MEDIA_TYPE_MANIFEST",
     "MEDIA_TYPE_ROOTFS_DIFF",
+    "MEDIA_TYPE_SHM",
     "RESERVED_METADATA_KEYS",
     "CheckpointRef",
     "Config",
@@ -65,6 +66,7 @@ MEDIA_TYPE_MANIFEST: Final = "application/vnd.oci.image.manifest.v1+json"
 MEDIA_TYPE_CONFIG: Final = "application/vnd.cedana.checkpoint.config.v1+json"
 MEDIA_TYPE_CRIU: Final = "application/vnd.cedana.checkpoint.criu.v1.tar+zstd"
 MEDIA_TYPE_ROOTFS_DIFF: Final = "application/vnd.cedana.checkpoint.rootfs-diff.v1.tar+zstd"
+MEDIA_TYPE_SHM: Final = "application/vnd.cedana.checkpoint.shm.v1.tar+zstd"
 # A raw (not yet compacted) layer: its descriptor points at the list of its files
 # (names, sizes, CRC-32s), the files themselves live in <store>/raw/<id>/<layer>/.
 MEDIA_TYPE_FILE_LIST: Final = "application/vnd.cedana.checkpoint.files.v1+json"
