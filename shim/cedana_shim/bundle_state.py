@@ -8,8 +8,9 @@ importing ``json`` on that hot path:
   ``key=value`` per line. A bundle without it (Create never got that far) falls
   back to containerd's runc defaults.
 - ``cedana-deleted``: the daemon deleted the container itself; nothing is left.
-- ``cedana-restoring`` (while ``runc restore`` runs): its process group, which
-  ``delete`` kills if the daemon died mid-restore.
+- ``cedana-criu-group`` (while ``runc restore`` or ``runc checkpoint`` runs): its
+  process group (runc, CRIU, CRIU's action scripts), which ``delete`` kills if the
+  daemon died mid-operation.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def read_deleted(bundle: str) -> tuple[int, int, float] | None:
         return None
 
 
-RESTORING_MARK = "cedana-restoring"
+CRIU_GROUP_MARK = "cedana-criu-group"
 CRIU_ROOT = "criu-root"
 
 
@@ -98,32 +99,35 @@ def criu_root(runc_root: str, container_id: str) -> str:
     return os.path.join(runc_root, container_id, CRIU_ROOT)
 
 
-def mark_restoring(bundle: str, pgid: int, leader_start: int) -> None:
-    """A ``runc restore`` runs in process group ``pgid``, led by the process that
-    started at ``leader_start`` (clock ticks after boot, /proc/<pid>/stat field 22).
+def mark_criu_group(bundle: str, pgid: int, leader_start: int) -> None:
+    """A ``runc restore`` or ``runc checkpoint`` runs in process group ``pgid``, led by
+    the process that started at ``leader_start`` (clock ticks after boot,
+    /proc/<pid>/stat field 22).
 
-    If the daemon dies, runc and CRIU go on restoring outside containerd; ``delete``
-    reads this to stop them. The start time keeps a reused pid from being killed.
+    If the daemon dies, runc and CRIU go on outside containerd (a CRIU holding the
+    container's tasks keeps them from dying); ``delete`` reads this to stop them.
+    The start time keeps a reused pid from being killed.
     """
-    tmp = os.path.join(bundle, f".{RESTORING_MARK}.tmp")
+    tmp = os.path.join(bundle, f".{CRIU_GROUP_MARK}.tmp")
     with open(tmp, "w") as f:
         f.write(f"{pgid} {leader_start}\n")
-    os.rename(tmp, os.path.join(bundle, RESTORING_MARK))
+    os.rename(tmp, os.path.join(bundle, CRIU_GROUP_MARK))
 
 
-def read_restoring(bundle: str) -> tuple[int, int] | None:
-    """(pgid, leader start time) of a restore in flight, as :func:`mark_restoring` wrote."""
+def read_criu_group(bundle: str) -> tuple[int, int] | None:
+    """(pgid, leader start time) of a restore or checkpoint in flight, as
+    :func:`mark_criu_group` wrote."""
     try:
-        with open(os.path.join(bundle, RESTORING_MARK)) as f:
+        with open(os.path.join(bundle, CRIU_GROUP_MARK)) as f:
             pgid, start = f.read().split()
         return int(pgid), int(start)
     except (OSError, ValueError):
         return None
 
 
-def clear_restoring(bundle: str) -> None:
+def clear_criu_group(bundle: str) -> None:
     try:
-        os.unlink(os.path.join(bundle, RESTORING_MARK))
+        os.unlink(os.path.join(bundle, CRIU_GROUP_MARK))
     except FileNotFoundError:
         return  # contextlib.suppress would cost delete an import
 

@@ -16,11 +16,12 @@ Also here: a checkpoint that verifies but whose CRIU images do not restore (Star
 back), a SIGKILL during a slow restore, damage to one copy (blob or raw cache) of the
 newest checkpoint, and the daemon surviving many checkpoints in a row.
 
-Timing: a CRIU dump here lasts ~0.2-0.4 s and a commit of ~100 MiB ~0.2 s. The tests
-watch for the exact moment (a `criu` process under the shim; the commit's staging dir)
-and inject the fault within milliseconds through containerd's Tasks API or a signal;
-afterwards they check from the shim's log and events that the fault did land in the
-intended phase.
+Timing: a CRIU dump here lasts ~0.2-0.4 s and a commit of ~100 MiB ~0.2 s, too short
+to hit by watching for it on a busy machine. The faults in the dump land while CRIU is
+held at its post-dump step (all images written, CRIU not yet done) by an action script
+added through the node config (`criu_hold`); the faults in the commit watch for its
+staging dir. Afterwards the tests check from the shim's log and events that the fault
+did land in the intended phase.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from .harness.cr_support import (
     assert_continues,
     blob_path,
     counter_script,
+    criu_hold,
     criu_pids,
     entries,
     ingest_dirs,
@@ -79,7 +81,6 @@ from .harness.cr_support import (
     tree_bytes,
     unique_label,
     wait_compacted,
-    wait_criu,
     wait_ticks,
 )
 from .harness.cr_tasks import TaskKiller
@@ -145,6 +146,7 @@ def test_sigkill_while_the_stop_checkpoint_dumps(
     log = ShimLog(c)
     script = counter_script(mem_kib=MEM_KIB, extra=CHILDREN)
     with (
+        criu_hold(c, "post-dump") as hold,
         EventStream(c.socket) as events,
         Workloads(
             c, new_id, label=unique_label("kill"), script=script, namespace=CTR_NAMESPACE
@@ -154,8 +156,10 @@ def test_sigkill_while_the_stop_checkpoint_dumps(
         good, counted, b, shim = _second_incarnation(c, w, events)
         init = w.pid(b)
 
+        hold.arm()
         tasks.kill(b.cid, signal.SIGTERM)
-        dumping = wait_criu(shim)
+        hold.wait_held()
+        dumping = criu_pids(shim)
         tasks.kill(b.cid, signal.SIGKILL)
 
         exited = events.wait_topic(TOPIC_EXIT, b.cid, timeout=30)
@@ -194,6 +198,7 @@ def test_shim_killed_during_the_dump(fresh_containerd: Containerd, new_id: NewId
     log = ShimLog(c)
     script = counter_script(mem_kib=MEM_KIB, extra=CHILDREN)
     with (
+        criu_hold(c, "post-dump") as hold,
         EventStream(c.socket) as events,
         Workloads(
             c, new_id, label=unique_label("shimdump"), script=script, namespace=CTR_NAMESPACE
@@ -203,8 +208,10 @@ def test_shim_killed_during_the_dump(fresh_containerd: Containerd, new_id: NewId
         good, counted, b, shim = _second_incarnation(c, w, events)
         init = w.pid(b)
 
+        hold.arm()
         tasks.kill(b.cid, signal.SIGTERM)
-        dumping = wait_criu(shim)
+        hold.wait_held()
+        dumping = criu_pids(shim)
         os.kill(shim, signal.SIGKILL)
 
         exited = events.wait_topic(TOPIC_EXIT, b.cid, timeout=30)
@@ -238,6 +245,7 @@ def test_criu_killed_during_the_dump(fresh_containerd: Containerd, new_id: NewId
     log = ShimLog(c)
     script = counter_script(mem_kib=MEM_KIB, extra=CHILDREN)
     with (
+        criu_hold(c, "post-dump") as hold,
         EventStream(c.socket) as events,
         Workloads(
             c, new_id, label=unique_label("criu"), script=script, namespace=CTR_NAMESPACE
@@ -246,8 +254,10 @@ def test_criu_killed_during_the_dump(fresh_containerd: Containerd, new_id: NewId
     ):
         good, counted, b, shim = _second_incarnation(c, w, events)
 
+        hold.arm()
         tasks.kill(b.cid, signal.SIGTERM)
-        kill_all(wait_criu(shim))
+        hold.wait_held()
+        kill_all(criu_pids(shim))
 
         failed = events.wait_topic(TOPIC_FAILED, b.cid, timeout=30)
         assert "runc checkpoint failed" in str(failed.field("error")), failed

@@ -32,19 +32,12 @@ from .harness import procs
 from .harness.config import CTR_NAMESPACE
 from .harness.containerd import RUNC_STATE_ROOT, Containerd
 from .harness.cr_events import TOPIC_EXIT, EventStream
-from .harness.cr_support import Box, Workloads, counter_script, wait_ticks
+from .harness.cr_support import Box, Workloads, counter_script, criu_hold, wait_ticks
 from .harness.util import wait_for
 
 NewId = Callable[[str], str]
 pytestmark = pytest.mark.ctrd_versions("1.6", "2.1")
 RESTORE_TIMEOUT = 60  # node config: the gate's deadline; everything must end well before
-HOLD = """#!/bin/sh
-# Holds CRIU at one restore step, once, for the restore the test interrupts.
-[ "$CRTOOLS_SCRIPT_ACTION" = {stage} ] || exit 0
-rm {armed} 2>/dev/null || exit 0
-touch {held}
-exec sleep 600
-"""
 
 
 def _configure(c: Containerd, env: dict[str, str]) -> None:
@@ -111,30 +104,21 @@ def test_a_shim_killed_while_it_restores_leaves_nothing_running(
     run the container outside containerd; held at post-restore by the gate, the tasks
     waited far beyond restore_timeout, with `criu-root` still mounted."""
     c = fresh_containerd
-    hold, armed, held = c.base / "hold.sh", c.base / "armed", c.base / "held"
-    hold.write_text(HOLD.format(stage=stage, armed=armed, held=held))
-    hold.chmod(0o755)
-    _configure(
-        c,
-        {
-            "CEDANA_CRIU_CONFIG_EXTRA": f"action-script {hold}",
-            "CEDANA_RESTORE_TIMEOUT": str(RESTORE_TIMEOUT),
-        },
-    )
+    hold = criu_hold(c, stage, {"CEDANA_RESTORE_TIMEOUT": str(RESTORE_TIMEOUT)})
     script = counter_script()
     with (
         EventStream(c.socket) as events,
         Workloads(c, new_id, label=f"held-{stage}", script=script, namespace=CTR_NAMESPACE) as w,
     ):
         _checkpoint_on_stop(w, events)
-        armed.touch()
+        hold.arm()
         cid = new_id("b")
         w.started.append(Box(cid, w.logs / f"{cid}.log"))
         flags = ("-d", "--env", f"CEDANA_CHECKPOINT={w.label}")
         run = w.ctr.popen(*w.ctr.run_args(c.images.busybox, cid, "sh", "-c", script, flags=flags))
         everything: set[int] = set()
         try:
-            wait_for(held.exists, timeout=30, what=f"CRIU to reach {stage}")
+            hold.wait_held()
             bundle = c.bundle(CTR_NAMESPACE, cid)
             listing = procs.list_processes()
             (runc,) = [p.pid for p in listing if "restore" in p.argv and p.argv[-1] == cid]

@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ from .harness.cr_support import (
     Workloads,
     assert_continues,
     counter_script,
+    criu_hold,
     entries,
     ingest_dirs,
     restored_from,
@@ -46,7 +48,6 @@ from .harness.cr_support import (
     tmpfs_store,
     unique_label,
     wait_compacted,
-    wait_criu,
     wait_ticks,
 )
 from .harness.util import wait_for
@@ -98,17 +99,22 @@ def test_start_during_a_stop_waits_for_its_checkpoint(
     log = ShimLog(c)
     script = counter_script(mem_kib=BIG_KIB, extra=CHILDREN)
     with (
+        criu_hold(c, "post-dump") as hold,
         EventStream(c.socket) as events,
         Workloads(
             c, new_id, label=unique_label("wait"), script=script, namespace=CTR_NAMESPACE
         ) as w,
+        ThreadPoolExecutor(1) as pool,
     ):
         a = w.start("a")
         wait_ticks(a.lines, count=3)
-        shim = shim_pid(c, a)
+        hold.arm()
         w.ctr("task", "kill", "-s", "SIGTERM", a.cid)
-        wait_criu(shim)  # the dump is under way
-        b = w.start("b")  # Create waits for the checkpoint being written
+        hold.wait_held()  # the dump is under way
+        starting = pool.submit(w.start, "b")  # its Create waits for the checkpoint
+        log.wait("waiting for a checkpoint of the label being written", label=w.label)
+        hold.resume()
+        b = starting.result(timeout=120)
         committed = events.wait_commit(a.cid, timeout=60)
         counted = a.ticks()
         assert counted is not None

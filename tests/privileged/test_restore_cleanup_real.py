@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from cedana_shim.bundle_state import BundleState, criu_root, read_restoring
+from cedana_shim.bundle_state import BundleState, criu_root, read_criu_group
 from cedana_shim.cli import delete
 from cedana_shim.cli.args import ShimArgs
 from cedana_shim.runtime.reaper import Reaper
@@ -143,7 +143,7 @@ class Checkpointed:
     def held(self) -> tuple[int, set[int]]:
         """Once CRIU is held: runc's process group, and the tasks CRIU restored."""
         wait_until(self.marker.exists, what="CRIU to reach post-restore")
-        record = read_restoring(str(self.bundle))
+        record = read_criu_group(str(self.bundle))
         assert record is not None, "no restore recorded in the bundle"
         pgid = record[0]
         group = members(pgid)
@@ -158,7 +158,7 @@ class Checkpointed:
         assert not alive, f"restored tasks still alive after CRIU died: {sorted(alive)}"
         assert not mounted(criu_root(self.root, self.id))
         assert not mounts_under(self.work), "CRIU's cgroup yard is still mounted"
-        assert read_restoring(str(self.bundle)) is None
+        assert read_criu_group(str(self.bundle)) is None
         listed = subprocess.run(
             ["runc", "--root", self.root, "list", "-q"], capture_output=True, text=True, check=False
         )

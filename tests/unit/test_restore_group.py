@@ -14,23 +14,23 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from cedana_shim.bundle_state import (
-    RESTORING_MARK,
+    CRIU_GROUP_MARK,
     BundleState,
-    clear_restoring,
-    mark_restoring,
-    read_restoring,
+    clear_criu_group,
+    mark_criu_group,
+    read_criu_group,
 )
 from cedana_shim.cli import delete, fork_client
 from cedana_shim.cli.args import ShimArgs
-from cedana_shim.runtime.pgroup import has_live_members, is_same_group, kill_restore, start_time
+from cedana_shim.runtime.pgroup import has_live_members, is_same_group, kill_criu_group, start_time
 from cedana_shim.runtime.reaper import Reaper
-from cedana_shim.runtime.runc import RestoreOpts, Runc, RuncError
+from cedana_shim.runtime.runc import CheckpointOpts, RestoreOpts, Runc, RuncError
 
 # -- helpers ------------------------------------------------------------------------------
 
@@ -98,10 +98,10 @@ def test_start_time_survives_a_process_name_with_parentheses(tmp_path: Path) -> 
     assert start_time(weird.pid) is None
 
 
-def test_kill_restore_kills_the_leader_and_every_member(group: subprocess.Popen[bytes]) -> None:
+def test_kill_criu_group_kills_the_leader_and_every_member(group: subprocess.Popen[bytes]) -> None:
     leader_start = start_time(group.pid)
     assert leader_start is not None
-    assert kill_restore(group.pid, leader_start, timeout=5)
+    assert kill_criu_group(group.pid, leader_start, timeout=5)
     assert group.wait(5) == -signal.SIGKILL
     assert not group_members(group.pid)
     assert not has_live_members(group.pid)
@@ -112,7 +112,7 @@ def test_a_reused_pid_is_never_killed(group: subprocess.Popen[bytes]) -> None:
     leader_start = start_time(group.pid)
     assert leader_start is not None
     assert not is_same_group(group.pid, leader_start + 1)
-    assert kill_restore(group.pid, leader_start + 1, timeout=1)
+    assert kill_criu_group(group.pid, leader_start + 1, timeout=1)
     assert len(group_members(group.pid)) == 3
     assert group.poll() is None
 
@@ -132,7 +132,7 @@ def test_members_left_by_a_dead_leader_are_killed() -> None:
         assert start_time(leader.pid) is None
         assert group_members(leader.pid) == {orphan}
         assert is_same_group(leader.pid, leader_start)
-        assert kill_restore(leader.pid, leader_start, timeout=5)
+        assert kill_criu_group(leader.pid, leader_start, timeout=5)
         assert not group_members(leader.pid)
     finally:
         kill_quietly(orphan)
@@ -144,7 +144,7 @@ def test_a_finished_group_is_left_alone() -> None:
     proc.wait()
     assert leader_start is not None
     started = time.monotonic()
-    assert kill_restore(proc.pid, leader_start, timeout=5)
+    assert kill_criu_group(proc.pid, leader_start, timeout=5)
     assert time.monotonic() - started < 1
     assert not is_same_group(1, 0)  # never init's group, whatever a record says
 
@@ -152,33 +152,36 @@ def test_a_finished_group_is_left_alone() -> None:
 # -- the bundle record --------------------------------------------------------------------
 
 
-def test_restoring_record_round_trip(tmp_path: Path) -> None:
-    assert read_restoring(str(tmp_path)) is None
-    mark_restoring(str(tmp_path), 4242, 987654)
-    assert read_restoring(str(tmp_path)) == (4242, 987654)
+def test_criu_group_record_round_trip(tmp_path: Path) -> None:
+    assert read_criu_group(str(tmp_path)) is None
+    mark_criu_group(str(tmp_path), 4242, 987654)
+    assert read_criu_group(str(tmp_path)) == (4242, 987654)
     assert not list(tmp_path.glob(".*.tmp"))
-    clear_restoring(str(tmp_path))
-    clear_restoring(str(tmp_path))  # idempotent
-    assert read_restoring(str(tmp_path)) is None
-    (tmp_path / RESTORING_MARK).write_text("garbage\n")
-    assert read_restoring(str(tmp_path)) is None
+    clear_criu_group(str(tmp_path))
+    clear_criu_group(str(tmp_path))  # idempotent
+    assert read_criu_group(str(tmp_path)) is None
+    (tmp_path / CRIU_GROUP_MARK).write_text("garbage\n")
+    assert read_criu_group(str(tmp_path)) is None
 
 
 # -- the runc driver ----------------------------------------------------------------------
 
 FAKE_RUNC = r"""#!{python}
-# restore: waits for the driver's record, reports what it sees, starts a "criu"
-# (a sleep, same process group) and behaves as control.json says.
+# restore or checkpoint: waits for the driver's record, reports what it sees, starts a
+# "criu" (a sleep, same process group) and behaves as control.json says.
 import json, os, signal, subprocess, sys, time
 
 here = {here!r}
 argv = sys.argv[1:]
-verb = next(a for a in argv if a in ("restore", "delete"))
+verb = next(a for a in argv if a in ("restore", "checkpoint", "delete"))
 control = json.load(open(os.path.join(here, "control.json")))
 if control.get("ignore_term"):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-bundle = argv[argv.index("--bundle") + 1]
-record = os.path.join(bundle, "cedana-restoring")
+if verb == "checkpoint":  # the driver's bundle is the dir of runc's log
+    bundle = os.path.dirname(argv[argv.index("--log") + 1])
+else:
+    bundle = argv[argv.index("--bundle") + 1]
+record = os.path.join(bundle, "cedana-criu-group")
 deadline = time.monotonic() + 5
 while not os.path.exists(record) and time.monotonic() < deadline:
     time.sleep(0.005)
@@ -220,6 +223,14 @@ class FakeRunc:
     def opts(self) -> RestoreOpts:
         return RestoreOpts(bundle=str(self.bundle), image_path=str(self.dir / "images"))
 
+    def operation(self, runc: Runc, verb: str) -> Coroutine[Any, Any, None]:
+        if verb == "restore":
+            return runc.restore("c1", self.opts())
+        return runc.checkpoint("c1", CheckpointOpts(image_path=str(self.dir / "images")))
+
+    def runc_logging_to_bundle(self, reaper: Reaper, **kwargs: Any) -> Runc:
+        return self.runc(reaper, log_path=str(self.bundle / "log.json"), **kwargs)
+
 
 def run_with_reaper(body: Callable[[Reaper], Awaitable[None]]) -> None:
     async def main() -> None:
@@ -243,7 +254,7 @@ def test_restore_runs_in_its_own_group_recorded_while_it_runs(tmp_path: Path) ->
     seen = fake.seen()
     assert seen["pgid"] == seen["pid"] != os.getpgid(0)
     assert seen["record"] == f"{seen['pid']} {seen['start']}\n"
-    assert read_restoring(str(fake.bundle)) is None  # cleared once runc returned
+    assert read_criu_group(str(fake.bundle)) is None  # cleared once runc returned
     kill_quietly(seen["criu"])
 
 
@@ -256,18 +267,38 @@ def test_a_failed_restore_clears_the_record(tmp_path: Path) -> None:
             await fake.runc(reaper).restore("c1", fake.opts())
 
     run_with_reaper(body)
-    assert read_restoring(str(fake.bundle)) is None
+    assert read_criu_group(str(fake.bundle)) is None
     kill_quietly(fake.seen()["criu"])
 
 
+def test_checkpoint_runs_in_its_own_group_recorded_while_it_runs(tmp_path: Path) -> None:
+    """A daemon killed mid-dump leaves CRIU holding the tasks: delete needs the group."""
+    fake = FakeRunc(tmp_path)
+
+    async def body(reaper: Reaper) -> None:
+        await fake.operation(fake.runc_logging_to_bundle(reaper), "checkpoint")
+
+    run_with_reaper(body)
+    seen = fake.seen()
+    assert seen["pgid"] == seen["pid"] != os.getpgid(0)
+    assert seen["record"] == f"{seen['pid']} {seen['start']}\n"
+    assert read_criu_group(str(fake.bundle)) is None
+    kill_quietly(seen["criu"])
+
+
+@pytest.mark.parametrize("verb", ["restore", "checkpoint"])
 @pytest.mark.parametrize("grace", [0.0, 0.3])
-def test_a_cancelled_restore_takes_its_whole_group_down(tmp_path: Path, grace: float) -> None:
-    """Before: only runc was signalled and its CRIU restored on, orphaned."""
+def test_a_cancelled_operation_takes_its_whole_group_down(
+    tmp_path: Path, grace: float, verb: str
+) -> None:
+    """Before: only runc was signalled and its CRIU went on, orphaned (a dumping CRIU
+    held in an action script kept the container's tasks from dying)."""
     fake = FakeRunc(tmp_path)
     fake.control(sleep=600, ignore_term=True)
 
     async def body(reaper: Reaper) -> None:
-        task = asyncio.create_task(fake.runc(reaper, kill_grace=grace).restore("c1", fake.opts()))
+        runc = fake.runc_logging_to_bundle(reaper, kill_grace=grace)
+        task = asyncio.create_task(fake.operation(runc, verb))
         await asyncio.to_thread(fake.seen)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -277,7 +308,7 @@ def test_a_cancelled_restore_takes_its_whole_group_down(tmp_path: Path, grace: f
     seen = fake.seen()
     wait_until(lambda: not group_members(seen["pgid"]), timeout=5)
     assert start_time(seen["criu"]) is None or seen["criu"] not in group_members(seen["pgid"])
-    assert read_restoring(str(fake.bundle)) is None
+    assert read_criu_group(str(fake.bundle)) is None
 
 
 # -- delete -------------------------------------------------------------------------------
@@ -324,11 +355,11 @@ def test_delete_kills_a_restore_left_by_a_dead_daemon_before_runc_delete(
     leader_start = start_time(group.pid)
     assert leader_start is not None
     bundle, calls = _delete_bundle(tmp_path, pgid=group.pid)
-    mark_restoring(str(bundle), group.pid, leader_start)
+    mark_criu_group(str(bundle), group.pid, leader_start)
 
     started = time.monotonic()
     out, err = _run_delete(bundle, capsysbinary)
-    assert time.monotonic() - started < delete.RESTORE_KILL_TIMEOUT + delete.RUNC_DELETE_TIMEOUT
+    assert time.monotonic() - started < delete.CRIU_KILL_TIMEOUT + delete.RUNC_DELETE_TIMEOUT
 
     assert out  # the DeleteResponse
     assert not group_members(group.pid)
@@ -341,7 +372,7 @@ def test_delete_kills_a_restore_left_by_a_dead_daemon_before_runc_delete(
         "c1",
         "group-alive=no",
     ]
-    assert read_restoring(str(bundle)) is None
+    assert read_criu_group(str(bundle)) is None
     assert "restore" not in err, err
 
 
@@ -351,7 +382,7 @@ def test_delete_spares_a_process_that_reused_the_recorded_pid(
     leader_start = start_time(group.pid)
     assert leader_start is not None
     bundle, calls = _delete_bundle(tmp_path, pgid=group.pid)
-    mark_restoring(str(bundle), group.pid, leader_start - 1)  # an older process had the pid
+    mark_criu_group(str(bundle), group.pid, leader_start - 1)  # an older process had the pid
 
     _run_delete(bundle, capsysbinary)
 

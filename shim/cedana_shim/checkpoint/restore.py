@@ -212,6 +212,7 @@ class RestoreSession:
         wait for it (bounded) rather than start from an older one, or cold."""
         deadline = time.monotonic() + self.config.label_wait_timeout
         started = time.monotonic()
+        announced = False
         while True:
             try:
                 writers = await asyncio.to_thread(self.store.in_flight, scope, label)
@@ -220,6 +221,18 @@ class RestoreSession:
             here = self._writing_here(scope, label)
             if not writers and not here:
                 break
+            if not announced:
+                # The Create is held up to label_wait_timeout: say so when it begins.
+                log.info(
+                    "waiting for a checkpoint of the label being written",
+                    extra={
+                        "container": self.container_id,
+                        "label": label,
+                        "writers": writers or ["this node's stop"],
+                        "timeout_s": self.config.label_wait_timeout,
+                    },
+                )
+                announced = True
             if time.monotonic() >= deadline:
                 pending = ", ".join(writers) or "this node's stop"
                 self.result.skipped.append(
@@ -229,7 +242,7 @@ class RestoreSession:
                 return
             await asyncio.sleep(IN_FLIGHT_POLL)
         waited = time.monotonic() - started
-        if waited >= IN_FLIGHT_POLL:
+        if announced:
             log.info(
                 "waited for a checkpoint of the label being written",
                 extra={"container": self.container_id, "label": label, "waited_s": waited},

@@ -24,11 +24,11 @@ import time
 
 from ..bundle_state import (
     BundleState,
-    clear_restoring,
+    clear_criu_group,
     clear_stopping,
     criu_root,
+    read_criu_group,
     read_deleted,
-    read_restoring,
     read_stopping,
 )
 from ..wire import delete_response
@@ -37,7 +37,7 @@ from .args import ShimArgs
 RUNC_DELETE_TIMEOUT = 3.0
 # SIGKILLed processes are gone in milliseconds; one stuck in the kernel must not
 # take containerd's whole cleanup budget (runc delete needs its share).
-RESTORE_KILL_TIMEOUT = 1.0
+CRIU_KILL_TIMEOUT = 1.0
 # How long an application whose stop checkpoint died with the daemon gets to handle its
 # signal before the forced delete (containerd gives the whole command 5 s).
 STOP_GRACE = 1.5
@@ -119,20 +119,20 @@ def _read_pid(bundle: str) -> int:
         return 0
 
 
-def _stop_restore(bundle: str, container_id: str) -> None:
-    """Kill the ``runc restore`` a dead daemon left running, if any."""
-    record = read_restoring(bundle)
+def _stop_criu(bundle: str, container_id: str) -> None:
+    """Kill the ``runc restore`` or ``runc checkpoint`` a dead daemon left running."""
+    record = read_criu_group(bundle)
     if record is None:
         return
-    from ..runtime.pgroup import kill_restore
+    from ..runtime.pgroup import kill_criu_group
 
     pgid, leader_start = record
-    if kill_restore(pgid, leader_start, RESTORE_KILL_TIMEOUT):
-        clear_restoring(bundle)
+    if kill_criu_group(pgid, leader_start, CRIU_KILL_TIMEOUT):
+        clear_criu_group(bundle)
         return
     sys.stderr.write(
-        f"container {container_id}: the runc restore in process group {pgid} still runs "
-        f"{RESTORE_KILL_TIMEOUT:g}s after SIGKILL (stuck in the kernel?); see `pgrep -a -g "
+        f"container {container_id}: the runc/CRIU process group {pgid} still runs "
+        f"{CRIU_KILL_TIMEOUT:g}s after SIGKILL (stuck in the kernel?); see `pgrep -a -g "
         f"{pgid}`, and once it is gone run `runc delete --force {container_id}`\n"
     )
 
@@ -202,7 +202,7 @@ def run_delete(args: ShimArgs) -> int:
         sys.stdout.flush()
         return 0
     state = BundleState.load(bundle, args.namespace)
-    _stop_restore(bundle, args.id)
+    _stop_criu(bundle, args.id)
     _finish_stop(state, bundle, args.id)
     # Before runc delete, which removes runc's state dir, through any mount in it.
     _unmount([criu_root(state.runc_root, args.id)], args.id)

@@ -1,16 +1,19 @@
-"""Killing a ``runc restore`` and everything it restored, found again by process group.
+"""Killing a ``runc restore`` (and everything it restored) or a ``runc checkpoint``,
+found again by process group.
 
-``runc restore`` runs in a process group of its own (runc, CRIU, CRIU's action
-scripts), recorded in the bundle while it runs
-(:func:`cedana_shim.bundle_state.mark_restoring`). The tasks CRIU restores are not in
+``runc restore`` and ``runc checkpoint`` run in a process group of their own (runc,
+CRIU, CRIU's action scripts), recorded in the bundle while they run
+(:func:`cedana_shim.bundle_state.mark_criu_group`). The tasks CRIU restores are not in
 that group: they get their own sessions back, and the root task is runc's child (runc
 has CRIU restore it as its sibling). Killing CRIU does not kill them: held at
 post-restore (the shim's gate) they wait, every signal but SIGKILL blocked, forever.
 So a restore is stopped by freezing the group, SIGKILLing every descendant of its
-members, then the group itself (:func:`kill_restore`): by the driver when a restore is
-abandoned, by ``delete`` when the daemon died mid-restore. ``delete`` runs on
-containerd's cleanup path, so this module imports only ``os`` and ``time`` (and
-``signal`` once there is something to kill).
+members, then the group itself (:func:`kill_criu_group`): by the driver when a restore is
+abandoned, by ``delete`` when the daemon died mid-restore. A checkpoint is stopped the
+same way: the container's tasks are not CRIU's children, but while a CRIU that has
+seized them lives (held in an action script, say) they cannot die, frozen or traced.
+``delete`` runs on containerd's cleanup path, so this module imports only ``os`` and
+``time`` (and ``signal`` once there is something to kill).
 
 Identity: a pid is never handed out again while a process group of that number has a
 member, so while the leader lives its start time tells the group apart from a reused
@@ -112,7 +115,7 @@ def _tree(pgid: int, procs: dict[int, _Proc]) -> tuple[set[int], dict[int, int]]
     return members, below
 
 
-def kill_restore(pgid: int, leader_start: int, timeout: float) -> bool:
+def kill_criu_group(pgid: int, leader_start: int, timeout: float) -> bool:
     """SIGKILL the group, if it is still the recorded one, and every descendant of its
     members; wait up to ``timeout`` seconds until none of them lives. True when none is
     left."""

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from cedana_shim import errors
-from cedana_shim.bundle_state import clear_restoring, criu_root, mark_restoring
-from cedana_shim.runtime.pgroup import kill_restore, start_time
+from cedana_shim.bundle_state import clear_criu_group, criu_root, mark_criu_group
+from cedana_shim.runtime.pgroup import kill_criu_group, start_time
 from cedana_shim.runtime.reaper import KILL_GRACE_SECONDS, Child, Reaper
 from cedana_shim.runtime.unmount import unmount_all
 
@@ -425,12 +425,28 @@ class Runc:
         return state
 
     async def checkpoint(self, id: str, opts: CheckpointOpts) -> None:
+        """``runc checkpoint``; with a bundle (the runc log's dir) in a process group of
+        its own, recorded there while it runs, as a restore is: CRIU outlives a killed
+        runc and, holding the container's tasks, keeps them from dying. Cancelled, runc
+        gets SIGTERM (CRIU then undoes the dump at its next step) and ``kill_grace``;
+        whatever of the group is left, CRIU stuck in a step included, is SIGKILLed."""
         bundle = os.path.dirname(self.log_path) if self.log_path else None
         source = os.path.join(opts.work_path or opts.image_path, "dump.log")
         copy_to = os.path.join(bundle, "criu-dump.log") if bundle else None
         log = _CriuLog(source, copy_to, _stat_key(source))
         pass_fds = () if opts.status_fd is None else (opts.status_fd,)
-        await self._run("checkpoint", id, [*opts.args(), id], pass_fds=pass_fds, criu_log=log)
+        try:
+            await self._run(
+                "checkpoint",
+                id,
+                [*opts.args(), id],
+                pass_fds=pass_fds,
+                criu_log=log,
+                group_bundle=bundle,
+            )
+        finally:
+            if bundle:
+                clear_criu_group(bundle)
 
     async def restore(self, id: str, opts: RestoreOpts) -> None:
         """``runc restore`` in a process group of its own (runc, CRIU and CRIU's action
@@ -465,7 +481,7 @@ class Runc:
                     )
             raise
         finally:
-            clear_restoring(opts.bundle)
+            clear_criu_group(opts.bundle)
 
     async def _run(
         self,
@@ -525,9 +541,9 @@ class Runc:
             try:
                 ex = await child.wait()
             except asyncio.CancelledError:
-                if leader_start is None:
+                if leader_start is None or verb == "checkpoint":
                     await self._reap_cancelled(child, verb, id)
-                else:
+                if leader_start is not None:
                     await self._kill_cancelled_group(child, verb, id, leader_start)
                 raise
             elapsed = time.monotonic() - started
@@ -565,14 +581,14 @@ class Runc:
         runc ignores SIGTERM, and CRIU's death leaves the restored tasks stuck. Waits for
         runc's exit even if cancelled again."""
         logger.warning(
-            "runc %s %s cancelled; killing process group %d and what it restored",
+            "runc %s %s cancelled; killing what is left of process group %d",
             verb,
             id,
             child.pid,
             extra={"runc_verb": verb, "container_id": id},
         )
         killed = await _to_completion(
-            asyncio.to_thread(kill_restore, child.pid, leader_start, GROUP_KILL_TIMEOUT)
+            asyncio.to_thread(kill_criu_group, child.pid, leader_start, GROUP_KILL_TIMEOUT)
         )
         if killed.cancelled() or killed.exception() is not None or not killed.result():
             logger.error(
@@ -649,7 +665,7 @@ def _record_group(bundle: str, pid: int, verb: str, id: str) -> int | None:
     if leader_start is None:
         return None
     try:
-        mark_restoring(bundle, pid, leader_start)
+        mark_criu_group(bundle, pid, leader_start)
     except OSError as err:
         # The restore itself can go on: only a daemon crash during it would leak it.
         logger.warning(

@@ -32,10 +32,12 @@ __all__ = [
     "MEDIA_TYPES",
     "ROOTFS_LAYER",
     "Counter",
+    "CriuHold",
     "ShimLog",
     "assert_continues",
     "blob_path",
     "counter_script",
+    "criu_hold",
     "criu_pids",
     "entries",
     "file_lines",
@@ -362,6 +364,78 @@ def wait_criu(shim_pid: int, timeout: float = 15) -> set[int]:
 def kill_all(pids: set[int], sig: int = signal.SIGKILL) -> None:
     for pid in pids:
         procs.kill_quietly(pid, sig)
+
+
+HOLD_SCRIPT = """#!/bin/sh
+# Holds CRIU at one step ({stage}) of the one dump or restore it is armed for, until
+# {go} appears (the step goes on) or it is killed (the step fails); 10 minutes at most.
+[ "$CRTOOLS_SCRIPT_ACTION" = {stage} ] || exit 0
+rm {armed} 2>/dev/null || exit 0
+echo $$ >{held}.tmp && mv {held}.tmp {held}
+turns=0
+until rm {go} 2>/dev/null; do
+  turns=$((turns + 1))
+  [ $turns -lt 12000 ] || exit 1
+  sleep 0.05
+done
+"""
+
+
+@dataclass
+class CriuHold:
+    """A CRIU action script, added through the node config (`criu_config_extra`), that
+    holds CRIU at one step of the next dump or restore after `arm()`: the step is hit
+    exactly, whatever the machine's speed. The held script is `pid()`; it fails (and
+    with it the CRIU step) when killed, as `release()` and leaving a `with` block do;
+    `resume()` lets the step go on."""
+
+    stage: str
+    script: Path
+    armed: Path
+    held: Path
+    go: Path
+
+    def arm(self) -> None:
+        self.held.unlink(missing_ok=True)
+        self.go.unlink(missing_ok=True)
+        self.armed.touch()
+
+    def resume(self) -> None:
+        """Let the held step go on."""
+        self.go.touch()
+
+    def wait_held(self, timeout: float = 30) -> int:
+        wait_for(self.held.exists, timeout=timeout, what=f"CRIU to reach {self.stage}")
+        return self.pid()
+
+    def pid(self) -> int:
+        return int(self.held.read_text())
+
+    def release(self) -> None:
+        """Kill the held script if it still runs (what a test leaves held forever)."""
+        if self.held.exists():
+            procs.kill_quietly(self.pid(), signal.SIGKILL)
+
+    def __enter__(self) -> CriuHold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def criu_hold(containerd: Containerd, stage: str, env: dict[str, str] | None = None) -> CriuHold:
+    """Install a CriuHold for `stage` and restart `containerd` so that its shims use it
+    (with `env` added to the shims' environment as well)."""
+    base = containerd.base
+    hold = CriuHold(stage, base / "hold.sh", base / "armed", base / "held", base / "go")
+    hold.script.write_text(
+        HOLD_SCRIPT.format(stage=stage, armed=hold.armed, held=hold.held, go=hold.go)
+    )
+    hold.script.chmod(0o755)
+    containerd.extra_env.update(env or {})
+    containerd.extra_env["CEDANA_CRIU_CONFIG_EXTRA"] = f"action-script {hold.script}"
+    containerd.restart()
+    return hold
 
 
 @contextlib.contextmanager
