@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything the shim and its tests need on a fresh Debian 12 machine:
-# distribution packages, CRIU >= 4.1 built from Debian trixie's source tarball,
+# distribution packages, CRIU >= 4.2 built from Debian sid's source tarball,
 # and containerd 1.7 (trixie) / 2.1 (sid) unpacked privately (never installed:
 # they would pull a newer libc). Idempotent: reuses what is already present.
 set -euo pipefail
@@ -42,9 +42,12 @@ add_suite() {
   return 0
 }
 
+# CRIU >= 4.2: 4.1 cannot dump any inet socket on kernels >= 6.16 ("sockets: Can't get
+# 1:16 opt"). `cedana doctor` probes the running kernel for that with a real dump.
+criu_ok() { [[ -x /usr/local/sbin/criu ]] && /usr/local/sbin/criu --version 2>/dev/null | grep -qE 'Version: (4\.([2-9]|[1-9][0-9])|[5-9])'; }
 need_update=0
 if [[ ! -x $DEPS_DIR/containerd-1.7/usr/bin/containerd || ! -x $DEPS_DIR/containerd-2.1/usr/bin/containerd \
-      || ! -d $DEPS_DIR/cri-api/usr || ! -d $DEPS_DIR/containerd-api/usr || ! -x /usr/local/sbin/criu ]]; then
+      || ! -d $DEPS_DIR/cri-api/usr || ! -d $DEPS_DIR/containerd-api/usr ]] || ! criu_ok; then
   add_suite trixie && need_update=1 || true
   add_suite sid && need_update=1 || true
   ((need_update)) && apt-get update -qq || true
@@ -67,17 +70,16 @@ unpack_deb trixie golang-github-kubernetes-cri-api-dev "$DEPS_DIR/cri-api"
 unpack_deb trixie containerd "$DEPS_DIR/containerd-1.7"
 unpack_deb sid containerd "$DEPS_DIR/containerd-2.1"
 
-criu_ok() { [[ -x /usr/local/sbin/criu ]] && /usr/local/sbin/criu --version 2>/dev/null | grep -qE 'Version: (4\.[1-9]|[5-9])'; }
 if ! criu_ok; then
-  log "building CRIU from trixie's source tarball"
+  log "building CRIU from sid's source tarball"
   src=$DEPS_DIR/criu-src
   mkdir -p "$src"
-  (cd "$src" && { ls criu_*.orig.tar.* >/dev/null 2>&1 || apt-get source --download-only -t trixie criu >/dev/null 2>&1 || true; })
-  tarball=$(ls "$src"/criu_*.orig.tar.* | head -n1)
+  (cd "$src" && { ls criu_4.[2-9]*.orig.tar.* >/dev/null 2>&1 || apt-get source --download-only -t sid criu >/dev/null 2>&1 || true; })
+  tarball=$(ls "$src"/criu_*.orig.tar.* | sort -V | tail -n1)
   rm -rf "$src/build" && mkdir -p "$src/build"
   tar -xf "$tarball" -C "$src/build" --strip-components=1
   make -C "$src/build" -j"$(nproc)" criu >/dev/null 2>&1
   install -m 0755 "$src/build/criu/criu" /usr/local/sbin/criu
 fi
-criu_ok || { log "CRIU >= 4.1 missing after build"; exit 1; }
+criu_ok || { log "CRIU >= 4.2 missing after build"; exit 1; }
 log "ready: containerd $(containerd --version | awk '{print $3}'), $("$DEPS_DIR"/containerd-1.7/usr/bin/containerd --version | awk '{print $3}'), $("$DEPS_DIR"/containerd-2.1/usr/bin/containerd --version | awk '{print $3}'); runc $(runc --version | head -1 | awk '{print $3}'); $(/usr/local/sbin/criu --version | head -1)"

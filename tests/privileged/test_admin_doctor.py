@@ -13,7 +13,8 @@ def test_doctor_on_this_node_is_ready(capsys: pytest.CaptureFixture[str], tmp_pa
     assert main(["doctor", "--json", "--store", str(tmp_path / "store")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ready"] is True
-    assert report["criu"]["ok"] and report["criu"]["version"] >= "4.1"
+    assert report["criu"]["ok"] and report["criu"]["version"] >= "4.2"
+    assert report["criu"]["inetSockets"] is True  # a real dump of a TCP socket
     assert report["runc"]["ok"]
     # No GPU here: reported as such, and not a reason to fail a CPU node.
     assert report["gpu"]["devices"] == []

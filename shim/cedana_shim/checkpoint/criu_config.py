@@ -40,13 +40,57 @@ def dump_options(config: NodeConfig) -> list[str]:
     ]
 
 
-def restore_options(config: NodeConfig, *, keep_tcp: bool, gate: str = "") -> list[str]:
+def restore_options(
+    config: NodeConfig, *, keep_tcp: bool, gate: str = "", netns_setup: str = ""
+) -> list[str]:
     # Established connections survive only when the pod kept its IP; otherwise
     # CRIU closes them cleanly and the application sees a reset, not a hang.
     tcp = [] if keep_tcp and config.tcp_established else ["tcp-close"]
-    # A gate script holds CRIU before it resumes the restored tasks (see write_gate).
-    script = [f"action-script {gate}"] if gate else []
-    return [*tcp, *script, *_extra(config)]
+    # A gate script holds CRIU before it resumes the restored tasks (see write_gate);
+    # the netns setup script brings up lo in a private netns (see write_netns_setup).
+    scripts = [f"action-script {path}" for path in (netns_setup, gate) if path]
+    return [*tcp, *scripts, *_extra(config)]
+
+
+NETNS_SETUP_SCRIPT = """#!/bin/sh
+# Written by cedana-shim: CRIU runs it at each restore step. Once the restored
+# container's namespaces exist (setup-namespaces: before any socket is restored),
+# it brings up lo in the container's private network namespace, as runc does for a
+# fresh container. CRIU restores a namespace's links only when the dump recorded
+# them, and on current kernels it records none for a container's namespace: without
+# this, lo stays down with no address, a socket bound to 127.0.0.1 cannot be
+# restored and nothing in the container reaches a local server.
+[ "$CRTOOLS_SCRIPT_ACTION" = "setup-namespaces" ] || exit 0
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+exec nsenter --net="/proc/$CRTOOLS_INIT_PID/ns/net" ip link set lo up
+"""
+NETNS_SETUP_FILE = "cedana-netns-setup.sh"
+
+
+def private_netns(spec: Mapping[str, Any]) -> bool:
+    """Whether the container gets a network namespace of its own (no path to join):
+    a `ctr run` container without --net-host. A pod's (the sandbox's) and the host's
+    are joined by path and are never touched."""
+    linux = spec.get("linux")
+    namespaces = linux.get("namespaces") if isinstance(linux, Mapping) else None
+    for ns in namespaces if isinstance(namespaces, list) else []:
+        if isinstance(ns, Mapping) and ns.get("type") == "network":
+            return not ns.get("path")
+    return False
+
+
+def write_netns_setup(bundle: str, spec: Mapping[str, Any]) -> str:
+    """The setup-namespaces action script (NETNS_SETUP_SCRIPT), written to ``bundle``
+    for a container with a private network namespace; "" for any other."""
+    if not private_netns(spec):
+        return ""
+    path = os.path.join(bundle, NETNS_SETUP_FILE)
+    if "'" in path or any(c.isspace() for c in path):
+        raise ValueError(f"unsupported path for a CRIU action script: {path!r}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o700)
+    with os.fdopen(fd, "w") as f:
+        f.write(NETNS_SETUP_SCRIPT)
+    return path
 
 
 GATE_TEMPLATE = """#!/bin/sh

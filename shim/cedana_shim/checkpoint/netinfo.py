@@ -128,9 +128,10 @@ def same_addresses(before: Any, after: Any) -> bool:
 
 
 def joined_network_facts(spec: Mapping[str, Any]) -> NetworkFacts | dict[str, Any]:
-    """The facts of the network namespace a new container joins (its spec names it);
-    empty when it makes its own. Blocking."""
+    """The facts of the network namespace a new container joins: the one its spec
+    names (a pod's), or the host's (this process's) when the spec has no network
+    namespace at all (host network); empty when it makes its own. Blocking."""
     for ns in (spec.get("linux") or {}).get("namespaces") or []:
-        if isinstance(ns, Mapping) and ns.get("type") == "network" and ns.get("path"):
-            return network_facts(str(ns["path"]))
-    return {}
+        if isinstance(ns, Mapping) and ns.get("type") == "network":
+            return network_facts(str(ns["path"])) if ns.get("path") else {}
+    return network_facts("/proc/self/ns/net")

@@ -407,9 +407,12 @@ class RestoreSession:
             gate, verdict = criu_config.write_gate(
                 os.path.dirname(plan.work_dir), self.config.restore_timeout
             )
+        netns_setup = criu_config.write_netns_setup(host.bundle, host.spec)
         criu_config.write(
             host.bundle,
-            criu_config.restore_options(self.config, keep_tcp=plan.keep_tcp, gate=gate),
+            criu_config.restore_options(
+                self.config, keep_tcp=plan.keep_tcp, gate=gate, netns_setup=netns_setup
+            ),
         )
         checking = None
         if plan.raw:

@@ -1,6 +1,7 @@
 """``cedana doctor``: is this node ready to checkpoint and restore containers?
 
-Checks what the shim relies on — CRIU >= 4.1 that works on this kernel, runc,
+Checks what the shim relies on — CRIU >= 4.1 that works on this kernel and can
+dump a process holding a TCP socket (a real dump, see node.criu_probe), runc,
 the checkpoint store's location and permissions, and for GPU nodes the NVIDIA
 driver, the CUDA checkpoint API or ``cuda-checkpoint``, and the devices — and
 says for each missing piece what to do.
@@ -35,8 +36,8 @@ def check_criu() -> dict[str, Any]:
     if path is None:
         return {
             "ok": False,
-            "problem": "criu is not installed: install CRIU >= 4.1 (make setup "
-            "builds it from Debian trixie's source into /usr/local/sbin/criu)",
+            "problem": "criu is not installed: install CRIU >= 4.2 (make setup "
+            "builds it from Debian sid's source into /usr/local/sbin/criu)",
         }
     code, out = _run([path, "--version"])
     match = re.search(r"Version:\s*(\d+)\.(\d+)", out)
@@ -54,6 +55,13 @@ def check_criu() -> dict[str, Any]:
     report["ok"] = code == 0
     if code != 0:
         report["problem"] = f"`criu check` failed: {report['check']}"
+        return report
+    from ..node.criu_probe import probe_inet_dump
+
+    problem = probe_inet_dump(path)
+    report["inetSockets"] = problem is None
+    if problem is not None:
+        report.update(ok=False, problem=problem)
     return report
 
 

@@ -7,7 +7,9 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
+from .criu_probe import probe_inet_dump
 from .hostfs import HostRoot
+from .report import NodeError
 
 MINIMUM: Final = (4, 1)
 # containerd (and so runc, which runs `criu` from PATH) gets systemd's default PATH;
@@ -21,6 +23,10 @@ HOW_TO_GET: Final = (
     "source release (`make criu`, then `install -m 0755 criu/criu "
     "/usr/local/sbin/criu`), or pass `--criu-source FILE` to have the installer copy "
     "one there. `--skip-criu-check` installs anyway (containers run, checkpoints fail)."
+)
+NO_PROBE: Final = (
+    "socket dump not probed (the host root is not this process's /: run `cedana doctor` "
+    "on the node)"
 )
 _VERSION_RE = re.compile(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?")
 
@@ -68,3 +74,15 @@ def check(host: HostRoot) -> CriuCheck:
             return CriuCheck(path, version, f"{path} is CRIU {shown}, older than 4.1")
         return CriuCheck(path, version, None)
     return CriuCheck(None, None, "no criu on containerd's PATH")
+
+
+def probe_sockets(host: HostRoot, found: CriuCheck) -> str:
+    """Whether ``found`` dumps a process holding a TCP socket on this kernel (see
+    criu_probe): a NodeError saying why not, else what was checked. Only where the
+    host root is this process's own: CRIU must see the probe's process."""
+    if not host.is_real or found.path is None:
+        return f"{found.describe()}; {NO_PROBE}"
+    problem = probe_inet_dump(found.path)
+    if problem is not None:
+        raise NodeError(f"{problem}. {HOW_TO_GET}")
+    return f"{found.describe()}; dumps TCP sockets on this kernel"

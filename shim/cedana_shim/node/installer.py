@@ -194,6 +194,8 @@ def _install(ctx: Context) -> None:
     criu_check = criu_mod.check(host)
     if not criu_check.ok and opts.criu_source is None and opts.require_criu:
         raise NodeError(f"{criu_check.problem}. {criu_mod.HOW_TO_GET}")
+    if criu_check.ok and opts.require_criu:
+        report.add("criu", "ok", criu_mod.probe_sockets(host, criu_check))
     if opts.criu_source is not None and not criu_check.ok:
         out = subprocess.run(
             [opts.criu_source, "--version"], capture_output=True, timeout=30, check=False

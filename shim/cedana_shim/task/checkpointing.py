@@ -294,9 +294,32 @@ class Checkpointing:
             if init.stop is None:  # no longer STOPPING: it died meanwhile (OOM, a kill
                 return entry  # from outside), nothing left to stop
             init.stop_durable()
+        if self.config.tcp_established:
+            await self._silence_connections(current)
         with contextlib.suppress(NotFound):
             await current.runc.kill(self.container_id, signal.SIGKILL, all=True)
         return entry
+
+    async def _silence_connections(self, current: Target) -> None:
+        """The kill must not close the checkpointed TCP connections for their peers
+        (see runtime.tcp_repair); a failure is logged, the kill goes on."""
+        from ..runtime.tcp_repair import silence_connections
+
+        try:
+            pids = await current.runc.ps(self.container_id)
+            count = await asyncio.to_thread(silence_connections, pids)
+        except (ShimError, OSError) as err:
+            log.warning(
+                "cannot keep the checkpointed TCP connections open for their peers; "
+                "the kill closes them",
+                extra={"container": self.container_id, "error": str(err)},
+            )
+            return
+        if count:
+            log.info(
+                "TCP connections left open for their peers until the restore",
+                extra={"container": self.container_id, "connections": count},
+            )
 
     async def _undo_stop(self, init: Process, current: Target, dump: Dump | None) -> None:
         """Not durable: the processes come back as they were (a failed dump has

@@ -229,7 +229,8 @@ class Container:
         # containerd's own restore (ctr restore): its images, no fallback of ours.
         cr = self.cr
         if cr is not None:
-            options = criu_config.restore_options(cr.config, keep_tcp=True)
+            netns_setup = criu_config.write_netns_setup(self.bundle, self.spec)
+            options = criu_config.restore_options(cr.config, keep_tcp=True, netns_setup=netns_setup)
             criu_config.write(self.bundle, options)
         work = self.config.options.criu_work_path or os.path.join(self.bundle, "work")
         request = RestoreRequest(

@@ -487,7 +487,8 @@ class Workloads:
         self.logs.mkdir(exist_ok=True)
         self.started: list[Box] = []
 
-    def start(self, tag: str, *, label: str | None = None) -> Box:
+    def start(self, tag: str, *, label: str | None = None, extra: tuple[str, ...] = ()) -> Box:
+        """`ctr run -d` of the script (with `extra` ctr run flags, e.g. --net-host)."""
         cid = self.new_id(tag)
         box = Box(cid, self.logs / f"{cid}.log")
         self.started.append(box)
@@ -497,6 +498,7 @@ class Workloads:
             f"CEDANA_CHECKPOINT={label or self.label}",
             "--log-uri",
             f"file://{box.out}",
+            *extra,
         )
         self.ctr(
             *self.ctr.run_args(

@@ -141,7 +141,13 @@ class CriClient:
             args=list(args),
             envs=[cri.KeyValue(key=k, value=v) for k, v in (envs or {}).items()],
             log_path=f"{name}.log",
-            linux=cri.LinuxContainerConfig(),
+            # As kubelet does: the pod's namespace options (a pid namespace of the
+            # container's own unless the pod shares one).
+            linux=cri.LinuxContainerConfig(
+                security_context=cri.LinuxContainerSecurityContext(
+                    namespace_options=pod.config.linux.security_context.namespace_options
+                )
+            ),
         )
         resp = self.runtime.CreateContainer(
             cri.CreateContainerRequest(

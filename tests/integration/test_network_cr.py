@@ -1,0 +1,151 @@
+"""Networked `ctr` containers checkpoint and restore for real (CRIU >= 4.2: 4.1 cannot
+dump an inet socket on kernels >= 6.16).
+
+A `ctr run` container has a network namespace of its own with only `lo`. Restored,
+`lo` must be up with its addresses as in a fresh container (CRIU records none of the
+namespace's links on current kernels; the shim brings `lo` up before any socket is
+restored), and a server listening on 127.0.0.1 must answer again with its state
+continued. Nothing here passes on a fallback branch: when CRIU or the kernel cannot
+dump a socket, the checkpoint fails and so does the test, with CRIU's reason.
+
+The pod variants (CNI, a new IP; established TCP closed cleanly) are in
+test_checkpoint_restore.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import uuid
+from collections.abc import Callable
+
+import pytest
+
+from .harness.config import CTR_NAMESPACE
+from .harness.containerd import Containerd
+from .harness.cr_events import TOPIC_EXIT, EventStream
+from .harness.cr_support import (
+    Box,
+    ShimLog,
+    Workloads,
+    assert_continues,
+    counter_script,
+    restored_from,
+    unique_label,
+    wait_ticks,
+)
+from .harness.util import wait_for
+
+NewId = Callable[[str], str]
+pytestmark = pytest.mark.ctrd_versions("1.6", "2.1")
+# Bound to 127.0.0.1: restoring the listening socket needs lo's address in place.
+HTTPD = "httpd -f -p 127.0.0.1:8080 -h /var &\n"
+GET_COUNT = "wget -qO- http://127.0.0.1:8080/count"
+CLIENTS = 20
+
+
+def _exec(w: Workloads, box: Box, script: str) -> str:
+    exec_id = f"p{uuid.uuid4().hex[:6]}"
+    return str(w.ctr("task", "exec", "--exec-id", exec_id, box.cid, "sh", "-c", script).stdout)
+
+
+def test_http_server_answers_after_restore(containerd: Containerd, new_id: NewId) -> None:
+    """busybox httpd on 127.0.0.1:8080 beside the counter: stopped with a checkpoint,
+    restored in a new container whose `lo` is up with 127.0.0.1 and ::1, and the server
+    answers with the count continued. Before: CRIU 4.1 failed the dump ("sockets: Can't
+    get 1:16 opt"), and with 4.2 the restored `lo` was down ("Network is unreachable")."""
+    c = containerd
+    script = counter_script(extra=HTTPD)
+    with (
+        EventStream(c.socket) as events,
+        Workloads(
+            c, new_id, label=unique_label("httpd"), script=script, namespace=CTR_NAMESPACE
+        ) as w,
+    ):
+        a = w.start("a")
+        wait_ticks(a.lines, count=3)
+        assert int(_exec(w, a, GET_COUNT)) >= 3
+        w.ctr("task", "kill", "-s", "SIGTERM", a.cid)
+        # A failed dump fails here, with the shim's error (CRIU's reason).
+        committed = events.wait_commit(a.cid, timeout=60)
+        exited = events.wait_topic(TOPIC_EXIT, a.cid, timeout=30, id=a.cid)
+        assert exited.field("exit_status") == 143, exited
+        before = a.ticks()
+        assert before is not None
+        w.delete(a)
+
+        b = w.start("b")
+        restored_from(events, b, committed.checkpoint_id)
+        after = wait_ticks(b.lines, count=3)
+        assert_continues(before, after, "restore of an HTTP server")
+        lo = _exec(w, b, "ip link show lo; ip addr show lo")
+        assert "UP" in lo.split(">")[0] and "inet 127.0.0.1/8" in lo and "inet6 ::1/128" in lo, lo
+        served = int(_exec(w, b, GET_COUNT))
+        assert served > before.last, (served, before)
+
+
+def test_established_connections_survive_a_restore_that_keeps_the_ip(
+    containerd: Containerd, new_id: NewId
+) -> None:
+    """A host-network httpd (the IP is the node's: kept by the restore) holding 20
+    established client connections at the stop: after the restore each connection is
+    still open at both ends and served. Before: the kill after the checkpoint sent FIN
+    to every client (they read EOF), and the restored server held ghost connections."""
+    c = containerd
+    log = ShimLog(c)
+    port = _free_port()
+    script = counter_script(extra=f"httpd -f -p 127.0.0.1:{port} -h /var &\n")
+    with (
+        EventStream(c.socket) as events,
+        Workloads(
+            c, new_id, label=unique_label("hostnet"), script=script, namespace=CTR_NAMESPACE
+        ) as w,
+        contextlib.ExitStack() as clients,
+    ):
+        a = w.start("a", extra=("--net-host",))
+        wait_ticks(a.lines, count=3)
+        conns = [
+            clients.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+            for _ in range(CLIENTS)
+        ]
+        wait_for(
+            lambda: _httpd_count(w, a) > CLIENTS,
+            timeout=15,
+            what=f"httpd to accept {CLIENTS} connections",
+        )
+        w.ctr("task", "kill", "-s", "SIGTERM", a.cid)
+        committed = events.wait_commit(a.cid, timeout=60)
+        events.wait_topic(TOPIC_EXIT, a.cid, timeout=30, id=a.cid)
+        kept = log.wait("TCP connections left open for their peers until the restore")
+        assert kept["connections"] >= CLIENTS, kept
+        before = a.ticks()
+        assert before is not None
+        w.delete(a)
+        for conn in conns:  # no FIN reached the clients
+            conn.settimeout(0.2)
+            with pytest.raises(TimeoutError):
+                conn.recv(1)
+
+        b = w.start("b", extra=("--net-host",))
+        restored_from(events, b, committed.checkpoint_id)
+        assert_continues(before, wait_ticks(b.lines, count=3), "restore with connections")
+        for conn in conns:
+            conn.settimeout(10)
+            conn.sendall(b"GET /count HTTP/1.0\r\n\r\n")
+            reply = b""
+            while chunk := conn.recv(65536):
+                reply += chunk
+            head, _, body = reply.decode().partition("\r\n\r\n")
+            assert " 200 " in head.split("\r\n")[0], reply
+            assert int(body) > before.last
+
+
+def _httpd_count(w: Workloads, box: Box) -> int:
+    """httpd processes in the container: the server and one child per connection."""
+    return int(_exec(w, box, "ps -o comm | grep -c '^httpd'; true").strip() or 0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
