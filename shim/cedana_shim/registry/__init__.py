@@ -1,0 +1,44 @@
+"""An OCI distribution-spec registry client: the shared checkpoint store across nodes.
+
+:class:`RegistryClient` pushes and pulls blobs (chunked, resumable, verified while
+streaming) and manifests, lists tags and deletes manifests, over TLS with docker
+``config.json`` credentials (Basic or Bearer tokens). Repository names come from
+:func:`repository_for`: ``<prefix>/<namespace>``.
+"""
+
+from .client import (
+    DEFAULT_CHUNK_SIZE,
+    MANIFEST_MEDIA_TYPES,
+    MAX_MANIFEST_BYTES,
+    RegistryClient,
+    RegistryConfig,
+)
+from .credentials import Credentials, load_credentials
+from .push import OpenSource, ProgressCallback, PushResult
+from .reference import (
+    RegistryLocation,
+    check_digest,
+    check_repository,
+    check_tag,
+    parse_registry,
+    repository_for,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "MANIFEST_MEDIA_TYPES",
+    "MAX_MANIFEST_BYTES",
+    "Credentials",
+    "OpenSource",
+    "ProgressCallback",
+    "PushResult",
+    "RegistryClient",
+    "RegistryConfig",
+    "RegistryLocation",
+    "check_digest",
+    "check_repository",
+    "check_tag",
+    "load_credentials",
+    "parse_registry",
+    "repository_for",
+]
