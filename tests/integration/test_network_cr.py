@@ -1,14 +1,18 @@
-"""Networked `ctr` containers checkpoint and restore for real (CRIU >= 4.2: 4.1 cannot
+"""Networked containers checkpoint and restore for real (CRIU >= 4.2: 4.1 cannot
 dump an inet socket on kernels >= 6.16).
 
-A `ctr run` container has a network namespace of its own with only `lo`. Restored,
-`lo` must be up with its addresses as in a fresh container (CRIU records none of the
-namespace's links on current kernels; the shim brings `lo` up before any socket is
-restored), and a server listening on 127.0.0.1 must answer again with its state
-continued. Nothing here passes on a fallback branch: when CRIU or the kernel cannot
-dump a socket, the checkpoint fails and so does the test, with CRIU's reason.
+- a `ctr run` container (a network namespace of its own, only `lo`): restored, `lo` is
+  up with its addresses as in a fresh container (CRIU records none of the namespace's
+  links on current kernels; the shim brings `lo` up before any socket is restored) and
+  a server listening on 127.0.0.1 answers with its state continued;
+- host network (the restore keeps the IP): established client connections survive,
+  the clients see no FIN at the stop and are served after the restore; the same for a
+  server under load (hundreds of open connections, new ones arriving during the stop);
+- UDP and unix datagram sockets (syslogd forwarding to a receiver on the host).
 
-The pod variants (CNI, a new IP; established TCP closed cleanly) are in
+Nothing here passes on a fallback branch: when CRIU or the kernel cannot dump a socket,
+the checkpoint fails and so does the test, with CRIU's reason. The pod variants (CNI,
+a new IP; a restart in the same pod; established TCP kept or closed cleanly) are in
 test_checkpoint_restore.py.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import uuid
 from collections.abc import Callable
 
@@ -42,6 +47,8 @@ pytestmark = pytest.mark.ctrd_versions("1.6", "2.1")
 HTTPD = "httpd -f -p 127.0.0.1:8080 -h /var &\n"
 GET_COUNT = "wget -qO- http://127.0.0.1:8080/count"
 CLIENTS = 20
+# Open client connections of the load test: one httpd process each.
+LOAD_CONNECTIONS = 200
 
 
 def _exec(w: Workloads, box: Box, script: str) -> str:
@@ -138,6 +145,119 @@ def test_established_connections_survive_a_restore_that_keeps_the_ip(
             head, _, body = reply.decode().partition("\r\n\r\n")
             assert " 200 " in head.split("\r\n")[0], reply
             assert int(body) > before.last
+
+
+def test_udp_and_unix_datagram_sockets_work_after_restore(
+    containerd: Containerd, new_id: NewId
+) -> None:
+    """busybox syslogd in a host-network container: its /dev/log (a bound unix datagram
+    socket) and its UDP socket to a receiver on the host (-R) are restored; a message
+    logged inside the restored container reaches the receiver."""
+    c = containerd
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as receiver:
+        receiver.bind(("127.0.0.1", 0))
+        receiver.settimeout(10)
+        port = receiver.getsockname()[1]
+        script = counter_script(extra=f"syslogd -n -R 127.0.0.1:{port} &\n")
+        with (
+            EventStream(c.socket) as events,
+            Workloads(
+                c, new_id, label=unique_label("udp"), script=script, namespace=CTR_NAMESPACE
+            ) as w,
+        ):
+            a = w.start("a", extra=("--net-host",))
+            wait_ticks(a.lines, count=3)
+            _exec(w, a, "logger cedana-before")
+            assert b"cedana-before" in _receive(receiver, b"cedana-before")
+            w.ctr("task", "kill", "-s", "SIGTERM", a.cid)
+            committed = events.wait_commit(a.cid, timeout=60)
+            events.wait_topic(TOPIC_EXIT, a.cid, timeout=30, id=a.cid)
+            w.delete(a)
+
+            b = w.start("b", extra=("--net-host",))
+            restored_from(events, b, committed.checkpoint_id)
+            wait_ticks(b.lines, count=3)
+            _exec(w, b, "logger cedana-after")
+            assert b"cedana-after" in _receive(receiver, b"cedana-after")
+
+
+def test_a_server_under_load_during_the_stop(containerd: Containerd, new_id: NewId) -> None:
+    """busybox httpd (one process per connection) holding LOAD_CONNECTIONS open client
+    connections while clients keep opening new ones and asking, as the stop lands: the
+    checkpoint holds them all, the restored server answers on every kept connection
+    and on new ones."""
+    c = containerd
+    log = ShimLog(c)
+    port = _free_port()
+    script = counter_script(extra=f"httpd -f -p 127.0.0.1:{port} -h /var &\n")
+    stop = threading.Event()
+    asked = [0]
+
+    def hammer() -> None:  # short requests on new connections, throughout the stop
+        while not stop.is_set():
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", port), timeout=2) as conn,
+            ):
+                conn.sendall(b"GET /count HTTP/1.0\r\n\r\n")
+                conn.recv(4096)
+                asked[0] += 1
+
+    with (
+        EventStream(c.socket) as events,
+        Workloads(
+            c, new_id, label=unique_label("load"), script=script, namespace=CTR_NAMESPACE
+        ) as w,
+        contextlib.ExitStack() as clients,
+    ):
+        a = w.start("a", extra=("--net-host",))
+        wait_ticks(a.lines, count=3)
+        conns = [
+            clients.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+            for _ in range(LOAD_CONNECTIONS)
+        ]
+        wait_for(
+            lambda: _httpd_count(w, a) > LOAD_CONNECTIONS,
+            timeout=60,
+            what=f"httpd to accept {LOAD_CONNECTIONS} connections",
+        )
+        workers = [threading.Thread(target=hammer) for _ in range(4)]
+        for worker in workers:
+            worker.start()
+        try:
+            wait_for(lambda: asked[0] >= 20, timeout=30, what="the load to run")
+            w.ctr("task", "kill", "-s", "SIGTERM", a.cid)
+            committed = events.wait_commit(a.cid, timeout=120)
+        finally:
+            stop.set()
+            for worker in workers:
+                worker.join()
+        events.wait_topic(TOPIC_EXIT, a.cid, timeout=30, id=a.cid)
+        kept = log.wait("TCP connections left open for their peers until the restore")
+        assert kept["connections"] >= LOAD_CONNECTIONS, kept
+        w.delete(a)
+
+        b = w.start("b", extra=("--net-host",))
+        restored_from(events, b, committed.checkpoint_id)
+        for conn in conns:
+            conn.settimeout(30)
+            conn.sendall(b"GET /count HTTP/1.0\r\n\r\n")
+            assert _status(conn.recv(64)) == b"200", "a kept connection"
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(b"GET /count HTTP/1.0\r\n\r\n")
+            assert _status(conn.recv(64)) == b"200", "a new connection"
+
+
+def _status(reply: bytes) -> bytes:
+    """The status code of an HTTP reply's first line."""
+    return reply.split(b"\r\n", 1)[0].split(b" ")[1]
+
+
+def _receive(receiver: socket.socket, wanted: bytes) -> bytes:
+    """Datagrams until one holds `wanted` (syslogd may send others first)."""
+    while wanted not in (data := receiver.recv(65536)):
+        pass
+    return data
 
 
 def _httpd_count(w: Workloads, box: Box) -> int:
