@@ -50,6 +50,19 @@ class NodeConfig:
     # The shim's own log, beside containerd's: containerd stops reading a shim's log
     # once its last task is deleted, and later lines (compaction) would be lost.
     log_file: str = "/var/log/cedana/shim.log"
+    # Raw bytes per compressed piece of a CRIU page image in the store (each its own
+    # blob, shared between checkpoints that hold the same bytes); 0: one blob per layer.
+    chunk_size: int = 32 << 20
+    # The checkpoint store shared across nodes: an OCI registry, "host[:port]/prefix"
+    # (one repository per namespace under it); "" keeps checkpoints on this node only.
+    registry: str = ""
+    registry_auth_file: str = ""  # docker config.json with the registry's credentials, 0600
+    registry_ca: str = ""  # extra CA bundle (PEM) for the registry's TLS
+    registry_insecure: bool = False  # plain HTTP: a loopback or lab registry only
+    # before-exit: a stop reports the exit once the push is done (or the kill's grace
+    # is nearly spent); background: at once, the push follows.
+    registry_sync: str = "before-exit"
+    registry_timeout: float = 30.0  # seconds per registry request (connect, each read)
 
 
 def _coerce(name: str, kind: type, value: Any, source: str) -> Any:
@@ -117,6 +130,21 @@ def load_node_config(path: str | None = None, env: Mapping[str, str] | None = No
         )
     if config.retain < 1:
         raise InvalidArgument(f"retain {config.retain} must keep at least one checkpoint")
+    if config.chunk_size and not 4096 <= config.chunk_size <= 256 << 20:
+        raise InvalidArgument(
+            f"cedana node config {file}: chunk_size {config.chunk_size} must be 0 (one blob "
+            "per layer) or 4096..268435456 bytes"
+        )
+    if config.registry_sync not in ("before-exit", "background"):
+        raise InvalidArgument(
+            f"cedana node config {file}: registry_sync {config.registry_sync!r} is not "
+            "before-exit or background"
+        )
+    if not math.isfinite(config.registry_timeout) or not 0 < config.registry_timeout <= 3600:
+        raise InvalidArgument(
+            f"cedana node config {file}: registry_timeout {config.registry_timeout!r} must "
+            "be a number of seconds in (0, 3600]"
+        )
     for name in ("checkpoint_timeout", "restore_timeout", "label_wait_timeout"):
         seconds = getattr(config, name)
         if not math.isfinite(seconds) or not 0 <= seconds <= MAX_TIMEOUT:

@@ -91,6 +91,7 @@ def referenced_blobs(store: Store) -> set[str]:
         manifest = json.loads(read_blob(store, e.manifest_digest))
         out.add(manifest["config"]["digest"].removeprefix("sha256:"))
         out.update(x.digest.removeprefix("sha256:") for x in e.layers)
+        out.update(c.digest.removeprefix("sha256:") for x in e.layers for c in x.chunks)
     return out
 
 

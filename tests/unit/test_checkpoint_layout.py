@@ -11,12 +11,16 @@ import pytest
 from cedana_shim import errors
 from cedana_shim.checkpoint.store import layout
 from cedana_shim.checkpoint.store.layout import (
+    ANN_CHUNK_FILE,
+    ANN_CHUNK_OFFSET,
+    ANN_CHUNK_RAW_SIZE,
     ANN_CREATED,
     ANN_ID,
     ANN_LABEL,
     ANN_SCOPE,
     ANN_TITLE,
     MEDIA_TYPE_CONFIG,
+    MEDIA_TYPE_CRIU,
     MEDIA_TYPE_MANIFEST,
     CheckpointRef,
     Descriptor,
@@ -238,3 +242,185 @@ def test_manifest_with_duplicate_layer_names_is_data_loss() -> None:
 def test_non_json_constants_are_data_loss(constant: bytes) -> None:
     with pytest.raises(errors.DataLoss, match="not valid JSON"):
         layout.parse_index(b'{"schemaVersion": 2, "manifests": [], "x": ' + constant + b"}", "i")
+
+
+# --------------------------------------------------------------------------- chunks
+
+
+def chunk_json(file: str, offset: int, raw: int, size: int = 10) -> dict[str, Any]:
+    return layout.Chunk(file, offset, raw, "sha256:" + "3" * 64, size).descriptor("criu").to_json()
+
+
+def chunked_manifest(chunks: list[dict[str, Any]]) -> bytes:
+    tar = {
+        "mediaType": MEDIA_TYPE_CRIU,
+        "digest": "sha256:" + "1" * 64,
+        "size": 1,
+        "annotations": {ANN_TITLE: "criu"},
+    }
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": MEDIA_TYPE_MANIFEST,
+        "config": {"mediaType": MEDIA_TYPE_CONFIG, "digest": "sha256:" + "2" * 64, "size": 2},
+        "layers": [tar, *chunks],
+    }
+    return json.dumps(doc).encode()
+
+
+def test_a_manifest_with_chunks_parses_them_per_layer() -> None:
+    manifest = layout.parse_manifest(
+        chunked_manifest(
+            [
+                chunk_json("pages-1.img", 0, 100),
+                chunk_json("pages-1.img", 100, 50),
+                chunk_json("pages-2.img", 0, 7),
+            ]
+        ),
+        "m",
+    )
+    assert manifest.layer_names() == ("criu",)
+    digest = "sha256:" + "3" * 64
+    assert manifest.chunks == {
+        "criu": (
+            layout.Chunk("pages-1.img", 0, 100, digest, 10),
+            layout.Chunk("pages-1.img", 100, 50, digest, 10),
+            layout.Chunk("pages-2.img", 0, 7, digest, 10),
+        )
+    }
+
+
+def with_annotation(chunk: dict[str, Any], key: str, value: str | None) -> dict[str, Any]:
+    annotations = dict(chunk["annotations"])
+    if value is None:
+        del annotations[key]
+    else:
+        annotations[key] = value
+    return {**chunk, "annotations": annotations}
+
+
+@pytest.mark.parametrize(
+    ("chunks", "why"),
+    [
+        ([chunk_json("pages-1.img", 100, 50)], "expected one at 0"),
+        (
+            [chunk_json("pages-1.img", 0, 100), chunk_json("pages-1.img", 90, 50)],
+            "chunk of pages-1.img at offset 90, expected one at 100",
+        ),
+        (
+            [chunk_json("pages-1.img", 0, 100), chunk_json("pages-1.img", 200, 50)],
+            "a chunk is missing or out of order",
+        ),
+        (
+            [
+                chunk_json("pages-1.img", 0, 100),
+                chunk_json("pages-2.img", 0, 1),
+                chunk_json("pages-1.img", 100, 1),
+            ],
+            "the chunks of pages-1.img are not together",
+        ),
+        ([chunk_json("core-1.img", 0, 100)], "'core-1.img' is not a page image name"),
+        ([chunk_json("../pages-1.img", 0, 100)], "is not a page image name"),
+        ([chunk_json("pages-1.img", 0, 0)], "claims 0 bytes"),
+        ([chunk_json("pages-1.img", 0, (256 << 20) + 1)], "1..268435456 allowed"),
+        ([chunk_json("pages-1.img", 0, 100, size=0)], "impossible for 100 bytes compressed"),
+        ([chunk_json("pages-1.img", 0, 100, size=1 << 20)], "1048576 bytes stored, impossible"),
+        (
+            [with_annotation(chunk_json("pages-1.img", 0, 1), ANN_CHUNK_OFFSET, "00")],
+            "'00' is not a decimal size",
+        ),
+        (
+            [with_annotation(chunk_json("pages-1.img", 0, 1), ANN_CHUNK_RAW_SIZE, "-1")],
+            "'-1' is not a decimal size",
+        ),
+        (
+            [with_annotation(chunk_json("pages-1.img", 0, 1), ANN_CHUNK_FILE, None)],
+            "None is not a page image name",
+        ),
+        (
+            [with_annotation(chunk_json("pages-1.img", 0, 1), ANN_TITLE, "rootfs-diff")],
+            "a chunk of layer 'rootfs-diff' that does not follow that layer's descriptor",
+        ),
+        (
+            [with_annotation(chunk_json("pages-1.img", 0, 1), ANN_CHUNK_OFFSET, "9" * 19)],
+            "out of range",
+        ),
+    ],
+)
+def test_bad_chunk_descriptors_are_data_loss(chunks: list[dict[str, Any]], why: str) -> None:
+    with pytest.raises(errors.DataLoss) as info:
+        layout.parse_manifest(chunked_manifest(chunks), "manifest m")
+    assert str(info.value).startswith("manifest m: ")
+    assert why in str(info.value)
+
+
+def test_a_chunk_before_any_layer_is_data_loss() -> None:
+    doc = json.loads(chunked_manifest([]))
+    doc["layers"] = [chunk_json("pages-1.img", 0, 1)]
+    with pytest.raises(errors.DataLoss, match="does not follow that layer's descriptor"):
+        layout.parse_manifest(json.dumps(doc).encode(), "m")
+
+
+def test_split_files_must_be_exactly_what_the_chunks_hold() -> None:
+    digest = "sha256:" + "3" * 64
+    chunks = [
+        layout.Chunk("pages-1.img", 0, 100, digest, 9),
+        layout.Chunk("pages-1.img", 100, 5, digest, 9),
+    ]
+    files = [
+        layout.SplitFile("pages-1.img", 105, 0o600, 0),
+        layout.SplitFile("pages-2.img", 0, 0o600, 0),
+    ]
+    layout.match_split_files(chunks, files, "w")
+    with pytest.raises(
+        errors.DataLoss, match=r"w: the chunks of pages-1\.img hold 100 bytes, the config says 105"
+    ):
+        layout.match_split_files(chunks[:1], files, "w")
+    with pytest.raises(errors.DataLoss, match=r"w: the manifest has chunks of pages-1\.img"):
+        layout.match_split_files(chunks, files[1:], "w")
+
+
+@pytest.mark.parametrize(
+    ("split_files", "why"),
+    [
+        ("x", "split_files: expected a list"),
+        ([{"path": "core.img", "size": 1, "mode": 0, "mtime": 0}], "is not a page image name"),
+        ([{"path": "pages-1.img", "size": -1, "mode": 0, "mtime": 0}], "size: expected a size"),
+        ([{"path": "pages-1.img", "size": 1, "mode": 0o10000, "mtime": 0}], "mode: expected"),
+        ([{"path": "pages-1.img", "size": 1, "mode": 0, "mtime": "0"}], "mtime: expected"),
+        (
+            [{"path": "pages-1.img", "size": 1, "mode": 0, "mtime": 0}] * 2,
+            "pages-1.img is listed twice",
+        ),
+    ],
+)
+def test_bad_split_files_in_a_config_are_data_loss(split_files: Any, why: str) -> None:
+    ref = CheckpointRef(
+        "20261129T183000Z-3f9a1c2b",
+        "ns",
+        "x",
+        "2026-11-29T18:30:00Z",
+        datetime(2026, 11, 29, 18, 30, tzinfo=UTC),
+        Descriptor(MEDIA_TYPE_MANIFEST, "sha256:" + "0" * 64, 1),
+        0,
+    )
+    config = {
+        "id": ref.id,
+        "scope": "ns",
+        "label": "x",
+        "created": ref.created,
+        "sizes": {"raw": 1, "stored": 1},
+        "layers": [
+            {
+                "name": "criu",
+                "media_type": MEDIA_TYPE_CRIU,
+                "digest": "sha256:" + "1" * 64,
+                "size": 1,
+                "raw_size": 1,
+                "split_files": split_files,
+            }
+        ],
+    }
+    with pytest.raises(errors.DataLoss) as info:
+        layout.parse_config(json.dumps(config).encode(), "config c", ref)
+    assert str(info.value).startswith("config c: layers[0]: split_files")
+    assert why in str(info.value)

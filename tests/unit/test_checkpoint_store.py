@@ -26,6 +26,9 @@ import pytest
 from cedana_shim import errors
 from cedana_shim.checkpoint.store import COMMIT_STEPS, Entry, Ingest, Store, StoreConfig
 from cedana_shim.checkpoint.store.layout import (
+    ANN_CHUNK_FILE,
+    ANN_CHUNK_OFFSET,
+    ANN_CHUNK_RAW_SIZE,
     ANN_CREATED,
     ANN_ID,
     ANN_LABEL,
@@ -33,6 +36,7 @@ from cedana_shim.checkpoint.store.layout import (
     ANN_TITLE,
     MEDIA_TYPE_CONFIG,
     MEDIA_TYPE_CRIU,
+    MEDIA_TYPE_CRIU_CHUNK,
     MEDIA_TYPE_MANIFEST,
     MEDIA_TYPE_ROOTFS_DIFF,
     parse_created,
@@ -174,7 +178,16 @@ def test_layout_on_disk_is_an_oci_image_layout(tmp_path: Path) -> None:
     manifest = json.loads(read_blob(store, entry.manifest_digest))
     assert manifest["mediaType"] == MEDIA_TYPE_MANIFEST
     assert manifest["config"]["mediaType"] == MEDIA_TYPE_CONFIG
-    assert [x["annotations"][ANN_TITLE] for x in manifest["layers"]] == ["criu"]
+    # The criu layer's tar, then its page image's one chunk, both titled with the layer.
+    assert [x["annotations"][ANN_TITLE] for x in manifest["layers"]] == ["criu", "criu"]
+    assert [x["mediaType"] for x in manifest["layers"]] == [MEDIA_TYPE_CRIU, MEDIA_TYPE_CRIU_CHUNK]
+    assert manifest["layers"][1]["annotations"] == {
+        ANN_TITLE: "criu",
+        ANN_CHUNK_FILE: "pages-1.img",
+        ANN_CHUNK_OFFSET: "0",
+        ANN_CHUNK_RAW_SIZE: "1000",
+    }
+    assert entry.to_json()["layers"][0]["chunks"] == 1
     assert entry.created.endswith("Z") and "T" in entry.created
     assert entry.to_json()["namespace"] == "ns" and entry.to_json()["container"] == "c1"
 
@@ -609,7 +622,8 @@ def test_flipped_byte_is_data_loss_and_the_older_checkpoint_still_verifies(
     store = make_store(tmp_path)
     old = commit(store)
     new = commit(store)
-    path = blob_path(store, new.layers[0].digest)
+    # The page image's chunk: the two checkpoints' tars of the rest may be the same blob.
+    path = blob_path(store, new.layers[0].chunks[0].digest)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))

@@ -26,6 +26,9 @@ def test_file_then_env_override(tmp_path: Path) -> None:
         ("retain = 0\n", "at least one"),
         ("compression_level = 40\n", "1..22"),
         ("not toml [\n", "not valid TOML"),
+        ("chunk_size = 100\n", "chunk_size 100 must be 0"),
+        ('registry_sync = "later"\n', "before-exit or background"),
+        ("registry_timeout = 0\n", "registry_timeout"),
     ],
 )
 def test_mistakes_are_reported(tmp_path: Path, body: str, message: str) -> None:

@@ -27,6 +27,7 @@ def build_pipeline(config: NodeConfig, reaper: Reaper) -> Pipeline:
             threads=config.compression_threads,
             retain=config.retain,
             cache_raw=config.cache_raw,
+            chunk_size=config.chunk_size,
         )
     )
     hooks = ProcessHookRunner(

@@ -1,6 +1,7 @@
 """The checkpoint store (see store.py for the layout and the commit sequence)."""
 
 from .ingest import Ingest
+from .layout import Chunk, SplitFile
 from .model import (
     COMMIT_STEPS,
     COMPACT_STEPS,
@@ -17,10 +18,12 @@ __all__ = [
     "COMMIT_STEPS",
     "COMPACT_STEPS",
     "PUBLISH_STEPS",
+    "Chunk",
     "Entry",
     "Ingest",
     "LayerInfo",
     "RepairReport",
+    "SplitFile",
     "StepHook",
     "Store",
     "StoreConfig",

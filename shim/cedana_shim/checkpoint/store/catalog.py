@@ -14,12 +14,14 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
 from typing import Any
 
 from cedana_shim import errors
 
 from . import fsutil, gc
+from .chunks import pool_width
 from .compress import hash_fd
 from .core import INDEX, StoreCore
 from .filelist import CACHE_LIST_SUFFIX, MAX_FILE_LIST_BYTES, FileList, parse_file_list
@@ -35,10 +37,13 @@ from .layout import (
     MEDIA_TYPE_FILE_LIST,
     MEDIA_TYPE_INDEX,
     CheckpointRef,
+    Chunk,
+    ConfigLayer,
     Descriptor,
     Index,
     Manifest,
     dump_json,
+    match_split_files,
     parse_config,
     parse_manifest,
 )
@@ -58,7 +63,7 @@ def newest_first(refs: Iterable[CheckpointRef]) -> list[CheckpointRef]:
 
 def manifest_state(manifest: Manifest, where: str) -> State:
     raw = {d.media_type == MEDIA_TYPE_FILE_LIST for d in manifest.layers}
-    if raw == {True, False}:
+    if raw == {True, False} or (True in raw and manifest.chunks):
         raise errors.DataLoss(f"{where}: manifest mixes raw and compacted layers")
     return "raw" if True in raw else "compacted"
 
@@ -76,6 +81,20 @@ def _check_manifest_identity(manifest: Manifest, ref: CheckpointRef, where: str)
                 f"{where}: manifest annotation {key} is {ann[key]!r} but index.json says "
                 f"{expected!r}"
             )
+
+
+def _layer_info(c: ConfigLayer, chunks: tuple[Chunk, ...], raw: bool) -> LayerInfo:
+    if raw:
+        return LayerInfo(c.name, c.media_type, c.digest, c.raw_size, c.raw_size)
+    return LayerInfo(
+        c.name,
+        c.media_type,
+        c.digest,
+        c.size + sum(x.size for x in chunks),
+        c.raw_size,
+        chunks,
+        c.split_files,
+    )
 
 
 class Catalog(StoreCore):
@@ -165,6 +184,9 @@ class Catalog(StoreCore):
             want = [(c.name, c.media_type, c.digest, c.size) for c in config.layers]
             if got != want:
                 raise errors.DataLoss(f"{where}: manifest and config disagree about the layers")
+            for c in config.layers:
+                chunks = manifest.chunks.get(c.name, ())
+                match_split_files(chunks, c.split_files, f"{where}: layer {c.name!r}")
             state = manifest_state(manifest, where)
             if state == "raw" and dict(config.raw_files) != {
                 c.name: c.digest for c in config.layers
@@ -176,13 +198,11 @@ class Catalog(StoreCore):
                 MappingProxyType({}), (), damage=str(err),
             )  # fmt: skip
         raw = state == "raw"
-        layers = tuple(
-            LayerInfo(c.name, c.media_type, c.digest, c.raw_size if raw else c.size, c.raw_size)
-            for c in config.layers
-        )
-        size = desc.size + cdesc.size + sum(c.size for c in config.layers)
+        layers = tuple(_layer_info(c, manifest.chunks.get(c.name, ()), raw) for c in config.layers)
+        # A raw layer's stored bytes are its files; its file list is counted too.
+        size = desc.size + cdesc.size + sum(x.size for x in layers)
         if raw:
-            size += sum(c.raw_size for c in config.layers)
+            size += sum(c.size for c in config.layers)
             raw_bytes = sum(c.raw_size for c in config.layers)
         else:
             raw_bytes = self._cache_bytes(ref.id)
@@ -307,20 +327,46 @@ class Catalog(StoreCore):
                 verify_files(fd, files, path=path, describe=f"{what} ({path})", deep=deep)
 
     def _check_layer_blob(self, entry: Entry, layer: LayerInfo, *, deep: bool) -> None:
+        """The layer's own blob, then each distinct chunk (hashed in parallel when ``deep``)."""
         path = self._blob_path(layer.digest)
-        what = f"checkpoint {entry.id}: layer {layer.name!r} ({path})"
-        fd = self._open_blob(layer.digest, what)
+        self._check_blob(
+            layer.digest,
+            layer.blob_size,
+            f"checkpoint {entry.id}: layer {layer.name!r} ({path})",
+            deep=deep,
+        )
+        distinct = list({c.digest: c for c in layer.chunks}.values())
+
+        def check(chunk: Chunk) -> None:
+            what = self._describe_chunk(entry, layer, chunk)
+            self._check_blob(chunk.digest, chunk.size, what, deep=deep)
+
+        if not deep or len(distinct) < 2:
+            for chunk in distinct:
+                check(chunk)
+            return
+        workers = pool_width(self.config.threads)
+        with ThreadPoolExecutor(workers, thread_name_prefix="cedana-verify") as pool:
+            for _ in pool.map(check, distinct):
+                pass
+
+    def _describe_chunk(self, entry: Entry, layer: LayerInfo, chunk: Chunk) -> str:
+        return (
+            f"checkpoint {entry.id}: layer {layer.name!r}: chunk of {chunk.file} at offset "
+            f"{chunk.offset} ({self._blob_path(chunk.digest)})"
+        )
+
+    def _check_blob(self, digest: str, size: int, what: str, *, deep: bool) -> None:
+        fd = self._open_blob(digest, what)
         try:
-            size = os.fstat(fd).st_size
-            if size != layer.size:
-                raise errors.DataLoss(
-                    f"{what}: blob is {size} bytes, expected {layer.size} (truncated?)"
-                )
+            have = os.fstat(fd).st_size
+            if have != size:
+                raise errors.DataLoss(f"{what}: blob is {have} bytes, expected {size} (truncated?)")
             if deep:
-                digest, _ = hash_fd(fd)
-                if digest != layer.digest:
+                got, _ = hash_fd(fd)
+                if got != digest:
                     raise errors.DataLoss(
-                        f"{what}: blob is corrupt (sha256 is {digest}, expected {layer.digest})"
+                        f"{what}: blob is corrupt (sha256 is {got}, expected {digest})"
                     )
         finally:
             os.close(fd)

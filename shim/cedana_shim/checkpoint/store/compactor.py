@@ -1,13 +1,15 @@
-"""Compaction: a raw checkpoint becomes today's tar+zstd blobs, in the background.
+"""Compaction: a raw checkpoint becomes tar+zstd blobs (and chunks), in the background.
 
 Sequence (each step a crash point, see COMPACT_STEPS): the checkpoint's
 ``raw/<id>`` dir is flock'ed (two compactions of one checkpoint never overlap);
 each raw layer is compressed into a temp blob in a locked work dir under
 ``ingest/`` while its files are checked against their CRC-32s in the same read
-(a mismatch is DataLoss and the checkpoint stays raw); the new config (which
-keeps ``rawFiles``) and manifest follow. Then, holding ``index.lock``: blobs are
-placed and the checkpoint's descriptor in index.json is replaced by the
-compacted one, same id, same created, same position: the commit marker again.
+(a mismatch is DataLoss and the checkpoint stays raw). A criu layer's page
+images become chunk blobs beside its tar (chunks.py; ``chunk_size`` 0: all in
+the tar). The new config (which keeps ``rawFiles``) and manifest follow. Then,
+holding ``index.lock``: blobs are placed and the checkpoint's descriptor in
+index.json is replaced by the compacted one, same id, same created, same
+position: the commit marker again.
 Last, the raw files are kept as the raw-image cache (the newest checkpoint of
 its label, ``cache_raw`` on, only layers marked keep_raw, with a copy of their
 file list beside them) or deleted. Runs in a thread of its own at nice 10.
@@ -21,24 +23,28 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from cedana_shim import errors
 
 from . import fsutil, gc
 from .catalog import Catalog, newest_first
+from .chunks import ChunkWriter, pool_width, split_file_list, split_files_of
 from .compress import WrittenBlob, compress_stream
-from .filelist import CACHE_LIST_SUFFIX, FileList
+from .filelist import CACHE_LIST_SUFFIX, FileList, RawFile
 from .ingest import create_locked_dir
 from .layout import (
     ANN_ID,
     ANN_TITLE,
     MEDIA_TYPE_CONFIG,
+    MEDIA_TYPE_CRIU,
     MEDIA_TYPE_MANIFEST,
+    Chunk,
     Descriptor,
     Index,
+    SplitFile,
     check_checkpoint_id,
     dump_json,
     dump_manifest,
@@ -88,6 +94,31 @@ class _Compressed:
     file_list: bytes
     blob: WrittenBlob
     tmp: str
+    # A split layer's page images (see chunks.py), and their temp blobs by digest.
+    chunks: tuple[Chunk, ...] = ()
+    split_files: tuple[SplitFile, ...] = ()
+    chunk_temps: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.blob.size + sum(c.size for c in self.chunks)
+
+    @property
+    def raw_size(self) -> int:
+        return self.blob.raw_size + sum(c.raw_size for c in self.chunks)
+
+
+def _config_layer(c: _Compressed) -> dict[str, Any]:
+    layer: dict[str, Any] = {
+        "name": c.files.layer,
+        "media_type": c.files.media_type,
+        "digest": c.blob.digest,
+        "size": c.blob.size,  # the blob's, as its descriptor in the manifest says
+        "raw_size": c.raw_size,  # the whole layer's: its tar and its split files
+    }
+    if c.chunks or c.split_files:
+        layer["split_files"] = [f.to_json() for f in c.split_files]
+    return layer
 
 
 class Compactor(Catalog):
@@ -191,6 +222,10 @@ class Compactor(Catalog):
         files, file_list = found
         path = self._raw_path(entry.id, layer.name)
         describe = f"{what} ({path})"
+        in_tar: FileList = files
+        split: tuple[RawFile, ...] = ()
+        if self._splits(files):
+            in_tar, split = split_file_list(files)
         with self._raw_layer(entry.id, layer.name, what, raw_fd) as layer_fd:
             tmp = f"layer-{i}"
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -198,7 +233,7 @@ class Compactor(Catalog):
             try:
                 blob = compress_stream(
                     fd,
-                    lambda out: write_layer(layer_fd, files, out, path=path, describe=describe),
+                    lambda out: write_layer(layer_fd, in_tar, out, path=path, describe=describe),
                     level=self.config.compression_level,
                     threads=self.config.threads,
                     on_first_write=lambda: self._step("layer-writing"),
@@ -206,11 +241,52 @@ class Compactor(Catalog):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            chunks: list[Chunk] = []
+            temps: dict[str, str] = {}
+            if split:
+                chunks, temps = self._write_chunks(entry, layer_fd, split, work_fd, path, describe)
         self._step("layer-written")
         if files.cache and self.config.cache_raw:
             # Beside the files it describes, for raw_images() once compacted.
             fsutil.write_file_atomic(raw_fd, layer.name + CACHE_LIST_SUFFIX, file_list)
-        return _Compressed(files, file_list, blob, tmp)
+        return _Compressed(files, file_list, blob, tmp, tuple(chunks), split_files_of(split), temps)
+
+    def _splits(self, files: FileList) -> bool:
+        """Whether compaction splits the layer's page images into chunks."""
+        return (
+            self.config.chunk_size > 0
+            and files.kind == "dir"
+            and files.media_type == MEDIA_TYPE_CRIU
+        )
+
+    def _write_chunks(
+        self,
+        entry: Entry,
+        layer_fd: int,
+        split: tuple[RawFile, ...],
+        work_fd: int,
+        path: str,
+        describe: str,
+    ) -> tuple[list[Chunk], dict[str, str]]:
+        with self._blobs() as blobs_fd:
+            writer = ChunkWriter(
+                work_fd,
+                blobs_fd,
+                level=self.config.compression_level,
+                chunk_size=self.config.chunk_size,
+                workers=pool_width(self.config.threads),
+            )
+            chunks = writer.write(layer_fd, split, path=path, describe=describe)
+        log.info(
+            "page images split into chunks",
+            extra={
+                "checkpoint": entry.id,
+                "chunks": len(chunks),
+                "new_bytes": writer.written,
+                "reused_bytes": writer.reused,
+            },
+        )
+        return chunks, writer.temps
 
     def _write_compacted(
         self, entry: Entry, compressed: list[_Compressed], work_fd: int
@@ -218,19 +294,10 @@ class Compactor(Catalog):
         config = {
             **entry.metadata,
             "sizes": {
-                "raw": sum(c.blob.raw_size for c in compressed),
-                "stored": sum(c.blob.size for c in compressed),
+                "raw": sum(c.raw_size for c in compressed),
+                "stored": sum(c.size for c in compressed),
             },
-            "layers": [
-                {
-                    "name": c.files.layer,
-                    "media_type": c.files.media_type,
-                    "digest": c.blob.digest,
-                    "size": c.blob.size,
-                    "raw_size": c.blob.raw_size,
-                }
-                for c in compressed
-            ],
+            "layers": [_config_layer(c) for c in compressed],
         }
         config_bytes = dump_json(config)
         fsutil.create_file_at(work_fd, "config", config_bytes)
@@ -238,10 +305,13 @@ class Compactor(Catalog):
             MEDIA_TYPE_CONFIG, fsutil.sha256_bytes(config_bytes), len(config_bytes)
         )
         self._step("compact-config-written")
-        layers = [
-            Descriptor(c.files.media_type, c.blob.digest, c.blob.size, {ANN_TITLE: c.files.layer})
-            for c in compressed
-        ]
+        layers: list[Descriptor] = []
+        for c in compressed:
+            name = c.files.layer
+            layers.append(
+                Descriptor(c.files.media_type, c.blob.digest, c.blob.size, {ANN_TITLE: name})
+            )
+            layers.extend(chunk.descriptor(name) for chunk in c.chunks)
         annotations = self._annotations(entry)
         data = dump_manifest(annotations, config_desc, layers)
         fsutil.create_file_at(work_fd, "manifest", data)
@@ -309,6 +379,8 @@ class Compactor(Catalog):
             with self._blobs() as blobs:
                 for c in compressed:
                     self._place(work_fd, c.tmp, blobs, c.blob.digest, placed)
+                    for digest, tmp in c.chunk_temps.items():
+                        self._place(work_fd, tmp, blobs, digest, placed)
                 self._place(work_fd, "config", blobs, config.digest, placed)
                 os.fsync(blobs)
                 self._step("compact-blobs-placed")

@@ -21,6 +21,7 @@ from cedana_shim import errors
 
 from . import fsutil
 from .layout import (
+    MAX_CHUNK_BYTES,
     MAX_INDEX_BYTES,
     Descriptor,
     Index,
@@ -40,6 +41,8 @@ INDEX_DAMAGED_PREFIX: Final = "index.json.damaged-"
 LAYOUT_NAMES: Final = frozenset(
     {"oci-layout", INDEX, "index.lock", "blobs", "ingest", "raw", "damaged", "spool", "cache"}
 )
+# Smaller chunks are allowed for tests; a real store wants MiBs (one blob each).
+MIN_CHUNK_BYTES: Final = 4096
 SPACE_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
 REPAIR_HINT: Final = (
     "run `cedana checkpoints repair` to rebuild it from the checkpoints' blobs and raw "
@@ -56,6 +59,11 @@ class StoreCore:
         if config.threads < 0:
             raise errors.InvalidArgument(
                 f"threads must be >= 0 (0 = all cores), got {config.threads}"
+            )
+        if config.chunk_size != 0 and not MIN_CHUNK_BYTES <= config.chunk_size <= MAX_CHUNK_BYTES:
+            raise errors.InvalidArgument(
+                f"chunk_size {config.chunk_size} is out of range: 0 (one blob per layer) or "
+                f"{MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES} bytes"
             )
         if config.retain < 0:
             raise errors.InvalidArgument(f"retain must be >= 0 (0 = keep all), got {config.retain}")

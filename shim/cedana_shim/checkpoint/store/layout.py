@@ -6,6 +6,10 @@ manifests, checkpoint configs). Everything read from disk is untrusted: a parser
 either returns a fully validated value or raises :class:`cedana_shim.errors.DataLoss`
 naming where the document came from and what is wrong with it, never a
 ``KeyError``/``TypeError`` from deep inside.
+
+Longer than the store's other modules on purpose: the whole on-disk vocabulary
+(including a split layer's chunks) is checked in one place, so every reader
+agrees on what a valid document is.
 """
 
 from __future__ import annotations
@@ -20,17 +24,22 @@ from typing import Any, Final
 from cedana_shim import errors
 
 __all__ = [
+    "ANN_CHUNK_FILE",
+    "ANN_CHUNK_OFFSET",
+    "ANN_CHUNK_RAW_SIZE",
     "ANN_CREATED",
     "ANN_ID",
     "ANN_LABEL",
     "ANN_SCOPE",
     "ANN_TITLE",
     "LAYOUT_VERSION",
+    "MAX_CHUNK_BYTES",
     "MAX_CONFIG_BYTES",
     "MAX_INDEX_BYTES",
     "MAX_MANIFEST_BYTES",
     "MEDIA_TYPE_CONFIG",
     "MEDIA_TYPE_CRIU",
+    "MEDIA_TYPE_CRIU_CHUNK",
     "MEDIA_TYPE_FILE_LIST",
     "MEDIA_TYPE_INDEX",
     "MEDIA_TYPE_MANIFEST",
@@ -38,20 +47,25 @@ __all__ = [
     "MEDIA_TYPE_SHM",
     "RESERVED_METADATA_KEYS",
     "CheckpointRef",
+    "Chunk",
     "Config",
     "ConfigLayer",
     "Descriptor",
     "Index",
     "Manifest",
+    "SplitFile",
     "check_checkpoint_id",
     "check_layer_name",
     "check_media_type",
     "check_scope_or_label",
+    "check_split_file_name",
+    "chunk_bound",
     "dump_json",
     "dump_manifest",
     "format_created",
     "is_digest",
     "load_json",
+    "match_split_files",
     "parse_checkpoint_ref",
     "parse_config",
     "parse_created",
@@ -67,6 +81,10 @@ MEDIA_TYPE_CONFIG: Final = "application/vnd.cedana.checkpoint.config.v1+json"
 MEDIA_TYPE_CRIU: Final = "application/vnd.cedana.checkpoint.criu.v1.tar+zstd"
 MEDIA_TYPE_ROOTFS_DIFF: Final = "application/vnd.cedana.checkpoint.rootfs-diff.v1.tar+zstd"
 MEDIA_TYPE_SHM: Final = "application/vnd.cedana.checkpoint.shm.v1.tar+zstd"
+# One piece of a page image split out of a compacted criu layer: a complete zstd
+# frame of the file's bytes [offset, offset + rawSize), not a tar. Its descriptor
+# follows the layer's own (the tar of everything else) and carries the same title.
+MEDIA_TYPE_CRIU_CHUNK: Final = "application/vnd.cedana.checkpoint.criu.chunk.v1+zstd"
 # A raw (not yet compacted) layer: its descriptor points at the list of its files
 # (names, sizes, CRC-32s), the files themselves live in <store>/raw/<id>/<layer>/.
 MEDIA_TYPE_FILE_LIST: Final = "application/vnd.cedana.checkpoint.files.v1+json"
@@ -76,6 +94,9 @@ ANN_SCOPE: Final = "cedana.ai/checkpoint.scope"
 ANN_LABEL: Final = "cedana.ai/checkpoint.label"
 ANN_CREATED: Final = "org.opencontainers.image.created"
 ANN_TITLE: Final = "org.opencontainers.image.title"
+ANN_CHUNK_FILE: Final = "cedana.ai/chunk.file"
+ANN_CHUNK_OFFSET: Final = "cedana.ai/chunk.offset"
+ANN_CHUNK_RAW_SIZE: Final = "cedana.ai/chunk.rawSize"
 
 LAYOUT_VERSION: Final = "1.0.0"
 
@@ -85,6 +106,9 @@ MAX_INDEX_BYTES: Final = 64 << 20
 MAX_MANIFEST_BYTES: Final = 4 << 20
 MAX_CONFIG_BYTES: Final = 4 << 20
 _MAX_SIZE: Final = (1 << 63) - 1  # an off_t
+_MAX_MTIME: Final = 1 << 40
+# A chunk is held in memory whole (compressed and raw) while it is read.
+MAX_CHUNK_BYTES: Final = 256 << 20
 
 # Keys of the checkpoint config that the store owns; callers may not set them.
 RESERVED_METADATA_KEYS: Final = frozenset(
@@ -103,6 +127,9 @@ _CREATED_RE: Final = re.compile(
     r"(Z|[+-][0-9]{2}:[0-9]{2})"
 )
 _CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")
+# The CRIU images a criu layer splits into chunks: the page contents.
+_SPLIT_FILE_RE: Final = re.compile(r"pages-[0-9]+\.img")
+_DECIMAL_RE: Final = re.compile(r"0|[1-9][0-9]{0,18}")
 _MAX_SCOPE_LEN: Final = 1024
 
 
@@ -144,6 +171,18 @@ def check_scope_or_label(what: str, value: object) -> str | None:
     if _CONTROL_RE.search(value):
         return f"{what} {value!r} contains control characters"
     return None
+
+
+def check_split_file_name(value: object) -> str | None:
+    """Why ``value`` is not a file a layer may hold as chunks, or None."""
+    if not isinstance(value, str) or _SPLIT_FILE_RE.fullmatch(value) is None:
+        return f"{value!r} is not a page image name (pages-<n>.img)"
+    return None
+
+
+def chunk_bound(raw_size: int) -> int:
+    """The most bytes zstd may turn ``raw_size`` bytes into (ZSTD_compressBound, rounded up)."""
+    return raw_size + (raw_size >> 8) + (64 << 10)
 
 
 def format_created(when: datetime) -> str:
@@ -278,10 +317,51 @@ class Index:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """One blob of a split file: the file's bytes [offset, offset + raw_size), zstd."""
+
+    file: str  # a top-level page image of the layer, e.g. pages-1.img
+    offset: int
+    raw_size: int
+    digest: str
+    size: int  # stored (compressed) bytes
+
+    def descriptor(self, layer: str) -> Descriptor:
+        return Descriptor(
+            MEDIA_TYPE_CRIU_CHUNK,
+            self.digest,
+            self.size,
+            {
+                ANN_TITLE: layer,
+                ANN_CHUNK_FILE: self.file,
+                ANN_CHUNK_OFFSET: str(self.offset),
+                ANN_CHUNK_RAW_SIZE: str(self.raw_size),
+            },
+        )
+
+
+@dataclass(frozen=True)
+class SplitFile:
+    """A file a compacted layer holds as chunks rather than in its tar."""
+
+    path: str
+    size: int
+    mode: int
+    mtime: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "mode": self.mode, "mtime": self.mtime}
+
+
+@dataclass(frozen=True)
 class Manifest:
     config: Descriptor
-    layers: tuple[Descriptor, ...]  # each carries its name in ANN_TITLE
+    # One per layer, each carrying its name in ANN_TITLE; chunk descriptors are
+    # not here but in ``chunks``.
+    layers: tuple[Descriptor, ...]
     annotations: Mapping[str, str] = field(default_factory=dict)
+    # Layer name -> its chunks, file by file, each file's from offset 0 on.
+    chunks: Mapping[str, tuple[Chunk, ...]] = field(default_factory=dict)
 
     def layer_names(self) -> tuple[str, ...]:
         return tuple(d.annotations[ANN_TITLE] for d in self.layers)
@@ -292,8 +372,9 @@ class ConfigLayer:
     name: str
     media_type: str
     digest: str
-    size: int
-    raw_size: int
+    size: int  # the layer's own blob (a split layer's: the tar of the files not split)
+    raw_size: int  # the whole layer uncompressed (a split layer's: tar and split files)
+    split_files: tuple[SplitFile, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -342,6 +423,80 @@ def parse_descriptor(value: Any, where: str) -> Descriptor:
             raise errors.DataLoss(f"{where}: annotation {key!r} is not a string: {val!r}")
     assert isinstance(media_type, str) and isinstance(digest, str)
     return Descriptor(media_type, digest, size, dict(annotations), raw=dict(obj))
+
+
+def _expect_int(value: Any, low: int, high: int, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise errors.DataLoss(f"{where}: expected an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _decimal_annotation(annotations: Mapping[str, str], key: str, where: str) -> int:
+    value = annotations.get(key)
+    if value is None or _DECIMAL_RE.fullmatch(value) is None:
+        raise errors.DataLoss(f"{where}: annotation {key} {value!r} is not a decimal size")
+    number = int(value)
+    if number > _MAX_SIZE:
+        raise errors.DataLoss(f"{where}: annotation {key} {value} is out of range")
+    return number
+
+
+def _parse_chunk(desc: Descriptor, where: str) -> Chunk:
+    file = desc.annotations.get(ANN_CHUNK_FILE)
+    if (why := check_split_file_name(file)) is not None:
+        raise errors.DataLoss(f"{where}: annotation {ANN_CHUNK_FILE}: {why}")
+    assert isinstance(file, str)
+    offset = _decimal_annotation(desc.annotations, ANN_CHUNK_OFFSET, where)
+    raw_size = _decimal_annotation(desc.annotations, ANN_CHUNK_RAW_SIZE, where)
+    if not 0 < raw_size <= MAX_CHUNK_BYTES or offset > _MAX_SIZE - raw_size:
+        raise errors.DataLoss(
+            f"{where}: chunk of {file} at offset {offset} claims {raw_size} bytes "
+            f"(1..{MAX_CHUNK_BYTES} allowed)"
+        )
+    if not 0 < desc.size <= chunk_bound(raw_size):
+        raise errors.DataLoss(
+            f"{where}: chunk of {file} at offset {offset} is {desc.size} bytes stored, "
+            f"impossible for {raw_size} bytes compressed"
+        )
+    return Chunk(file, offset, raw_size, desc.digest, desc.size)
+
+
+def _check_chunk_order(chunks: Sequence[Chunk], where: str) -> None:
+    """Each file's chunks together, from offset 0 on, each where the previous one ends."""
+    done: set[str] = set()
+    current, end = "", 0
+    for chunk in chunks:
+        if chunk.file != current:
+            if chunk.file in done:
+                raise errors.DataLoss(f"{where}: the chunks of {chunk.file} are not together")
+            done.add(current)
+            current, end = chunk.file, 0
+        if chunk.offset != end:
+            raise errors.DataLoss(
+                f"{where}: chunk of {chunk.file} at offset {chunk.offset}, expected one at {end} "
+                "(a chunk is missing or out of order)"
+            )
+        end += chunk.raw_size
+
+
+def match_split_files(
+    chunks: Sequence[Chunk], split_files: Sequence[SplitFile], where: str
+) -> None:
+    """DataLoss unless ``chunks`` (checked by the manifest's parser) make up ``split_files``."""
+    have: dict[str, int] = {}
+    for chunk in chunks:
+        have[chunk.file] = have.get(chunk.file, 0) + chunk.raw_size
+    want = {f.path: f.size for f in split_files}
+    for path in have.keys() - want.keys():
+        raise errors.DataLoss(
+            f"{where}: the manifest has chunks of {path}, the config no such file"
+        )
+    for path, size in want.items():
+        if have.get(path, 0) != size:
+            raise errors.DataLoss(
+                f"{where}: the chunks of {path} hold {have.get(path, 0)} bytes, the config says "
+                f"{size} (a chunk is missing)"
+            )
 
 
 def parse_layout_file(data: bytes, where: str) -> None:
@@ -420,22 +575,33 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if not isinstance(raw_layers, list):
         raise errors.DataLoss(f"{where}: 'layers' is missing or not a list")
     layers: list[Descriptor] = []
+    chunks: dict[str, list[Chunk]] = {}
     names: set[str] = set()
     for i, item in enumerate(raw_layers):
-        desc = parse_descriptor(item, f"{where}: layers[{i}]")
+        lw = f"{where}: layers[{i}]"
+        desc = parse_descriptor(item, lw)
         name = desc.annotations.get(ANN_TITLE)
         if (why := check_layer_name(name)) is not None:
-            raise errors.DataLoss(f"{where}: layers[{i}]: annotation {ANN_TITLE}: {why}")
+            raise errors.DataLoss(f"{lw}: annotation {ANN_TITLE}: {why}")
         assert isinstance(name, str)
+        if desc.media_type == MEDIA_TYPE_CRIU_CHUNK:
+            if not layers or layers[-1].annotations[ANN_TITLE] != name:
+                raise errors.DataLoss(
+                    f"{lw}: a chunk of layer {name!r} that does not follow that layer's descriptor"
+                )
+            chunks.setdefault(name, []).append(_parse_chunk(desc, lw))
+            continue
         if name in names:
             raise errors.DataLoss(f"{where}: layer {name!r} appears twice")
         names.add(name)
         layers.append(desc)
+    for name, pieces in chunks.items():
+        _check_chunk_order(pieces, f"{where}: layer {name!r}")
     annotations = _expect_object(obj.get("annotations", {}), f"{where}: annotations")
     for key, val in annotations.items():
         if not isinstance(val, str):
             raise errors.DataLoss(f"{where}: annotation {key!r} is not a string: {val!r}")
-    return Manifest(config, tuple(layers), annotations)
+    return Manifest(config, tuple(layers), annotations, {k: tuple(v) for k, v in chunks.items()})
 
 
 def _check_identity(obj: dict[str, Any], where: str, ref: CheckpointRef) -> None:
@@ -463,6 +629,32 @@ def _parse_raw_files(value: Any, where: str) -> dict[str, str]:
         if not is_digest(digest):
             raise errors.DataLoss(f"{where}: {name}: {digest!r} is not sha256:<64 lowercase hex>")
     return raw_files
+
+
+def _parse_split_files(value: Any, where: str) -> tuple[SplitFile, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise errors.DataLoss(f"{where}: expected a list, got {type(value).__name__}")
+    files: list[SplitFile] = []
+    for i, item in enumerate(value):
+        fw = f"{where}[{i}]"
+        obj = _expect_object(item, fw)
+        path = obj.get("path")
+        if (why := check_split_file_name(path)) is not None:
+            raise errors.DataLoss(f"{fw}: path: {why}")
+        assert isinstance(path, str)
+        if any(f.path == path for f in files):
+            raise errors.DataLoss(f"{fw}: {path} is listed twice")
+        files.append(
+            SplitFile(
+                path,
+                _expect_size(obj.get("size"), f"{fw}: size"),
+                _expect_int(obj.get("mode"), 0, 0o7777, f"{fw}: mode"),
+                _expect_int(obj.get("mtime"), -_MAX_MTIME, _MAX_MTIME, f"{fw}: mtime"),
+            )
+        )
+    return tuple(files)
 
 
 def parse_config(data: bytes, where: str, ref: CheckpointRef) -> Config:
@@ -498,6 +690,7 @@ def parse_config(data: bytes, where: str, ref: CheckpointRef) -> Config:
                 _expect_str(digest, f"{lw}: digest"),
                 _expect_size(layer.get("size"), f"{lw}: size"),
                 _expect_size(layer.get("raw_size"), f"{lw}: raw_size"),
+                _parse_split_files(layer.get("split_files"), f"{lw}: split_files"),
             )
         )
     raw_files = _parse_raw_files(obj.get("rawFiles"), f"{where}: rawFiles")

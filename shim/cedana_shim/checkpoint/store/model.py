@@ -8,6 +8,8 @@ from typing import Any, Final, Literal, TypeAlias
 
 from cedana_shim import errors
 
+from .layout import Chunk, SplitFile
+
 __all__ = [
     "COMMIT_STEPS",
     "COMPACT_STEPS",
@@ -64,15 +66,27 @@ class StoreConfig:
     retain: int = 3  # checkpoints kept per (scope, label) at publish; 0 = keep all
     # Keep the raw CRIU images of the newest checkpoint per label after compaction.
     cache_raw: bool = True
+    # Compaction splits a criu layer's page images into chunks of this many raw
+    # bytes, each its own zstd blob (shared by checkpoints that hold the same
+    # bytes); 0 = one blob for the whole layer, as before chunks existed.
+    chunk_size: int = 32 << 20
 
 
 @dataclass(frozen=True)
 class LayerInfo:
     name: str
     media_type: str  # a raw layer's is MEDIA_TYPE_FILE_LIST
-    digest: str  # the compressed blob, or a raw layer's file list
-    size: int  # stored bytes: the compressed blob, or a raw layer's files
-    raw_size: int  # uncompressed tar bytes (a raw dir layer: its files' bytes)
+    digest: str  # the compressed blob (a split layer's tar), or a raw layer's file list
+    size: int  # stored bytes: the compressed blob and chunks, or a raw layer's files
+    raw_size: int  # uncompressed bytes: the tar and the chunks (a raw dir layer: its files)
+    # A compacted layer's page images, held as chunks rather than in its tar.
+    chunks: tuple[Chunk, ...] = ()
+    split_files: tuple[SplitFile, ...] = ()
+
+    @property
+    def blob_size(self) -> int:
+        """Stored bytes of the layer's own blob, without its chunks."""
+        return self.size - sum(c.size for c in self.chunks)
 
 
 @dataclass(frozen=True)
@@ -110,7 +124,13 @@ class Entry:
             "state": None if self.damage else self.state,
             "rawBytes": self.raw_bytes,
             "layers": [
-                {"name": x.name, "mediaType": x.media_type, "size": x.size, "rawSize": x.raw_size}
+                {
+                    "name": x.name,
+                    "mediaType": x.media_type,
+                    "size": x.size,
+                    "rawSize": x.raw_size,
+                    "chunks": len(x.chunks),
+                }
                 for x in self.layers
             ],
             "damage": self.damage,

@@ -30,6 +30,7 @@ from .fsutil import open_dir, open_file, write_all
 __all__ = [
     "CHUNK",
     "CheckingReader",
+    "TellingWriter",
     "copy_dir",
     "copy_file",
     "copy_out",
@@ -324,13 +325,17 @@ class CheckingReader:
 
     def read(self, n: int = CHUNK) -> memoryview:
         n = CHUNK if n < 0 else min(n, CHUNK)
-        view = self._view[:n]
+        got = self.readinto(self._view[:n])
+        return self._view[:got]
+
+    def readinto(self, view: memoryview) -> int:
+        """Fill ``view`` (the caller's buffer) as far as the file goes; the bytes read."""
         got = 0
-        while got < n and (k := os.readv(self._fd, [view[got:]])):
+        while got < len(view) and (k := os.readv(self._fd, [view[got:]])):
             got += k
         self._crc = zlib.crc32(view[:got], self._crc)
         self._size += got
-        return view[:got]
+        return got
 
     def check(self) -> None:
         if (self._size, self._crc) != (self._raw.size, self._raw.crc32):
@@ -373,7 +378,7 @@ def verify_files(dir_fd: int, files: FileList, *, path: str, describe: str, deep
 # -- using ------------------------------------------------------------------------------------
 
 
-class _Told:
+class TellingWriter:
     """``out`` with tell(), which tarfile's "w" mode needs (a pipe has none)."""
 
     def __init__(self, out: IO[bytes]) -> None:
@@ -392,7 +397,7 @@ class _Told:
 def write_tar(dir_fd: int, files: FileList, out: IO[bytes], *, path: str, describe: str) -> None:
     """The tar the list stands for, into ``out``; each file checked as it is read."""
     with tarfile.open(
-        fileobj=_Told(out),  # type: ignore[call-overload]
+        fileobj=TellingWriter(out),  # type: ignore[call-overload]
         mode="w",
         format=tarfile.PAX_FORMAT,
         copybufsize=CHUNK,

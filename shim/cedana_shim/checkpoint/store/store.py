@@ -5,7 +5,9 @@ Layout under ``root`` (0700, every file 0600; checkpoints hold process memory)::
     oci-layout              {"imageLayoutVersion": "1.0.0"}
     index.json              OCI image index: one manifest descriptor per checkpoint
     index.lock              flock(2) target serialising every index.json writer
-    blobs/sha256/<hex>      manifests, configs, zstd tar layers, raw file lists
+    blobs/sha256/<hex>      manifests, configs, zstd tar layers, page-image chunks
+                            (zstd, shared by checkpoints that hold the same
+                            bytes), raw file lists
     raw/<id>/<layer>/       a raw checkpoint's files (CRIU's images, a tar); or,
                             with <layer>.files.json beside it, a compacted one's
                             raw-image cache
@@ -21,10 +23,10 @@ A checkpoint becomes visible in two steps. ``publish`` (writer.py) is the
 durable point, and fast: the staged files are sealed where they are and moved
 into ``raw/<id>/`` while the checkpoint enters index.json in raw state (each
 layer's descriptor points at its file list). ``compact`` (compactor.py), later
-and in the background, turns it into tar+zstd blobs and swaps its descriptor
-in index.json in place. Membership in index.json is the commit marker both
-times: a checkpoint is visible once it is there, and everything it references
-is durable by then.
+and in the background, turns it into tar+zstd blobs (a criu layer's page
+images into chunks, chunks.py) and swaps its descriptor in index.json in
+place. Membership in index.json is the commit marker both times: a checkpoint
+is visible once it is there, and everything it references is durable by then.
 
 Garbage rule: blobs and raw dirs enter ``blobs/sha256`` and ``raw/`` only while
 ``index.lock`` is held, immediately followed (same hold) by the index write
