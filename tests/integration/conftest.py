@@ -168,10 +168,14 @@ def _instance(
     try:
         yield instance
     finally:
-        _LIVE.remove(instance)
-        notes = instance.cleanup(keep_base=bool(os.environ.get("CEDANA_TEST_KEEP")))
-        if notes:
-            print(f"\n[teardown {instance.version.id}] " + "; ".join(notes))
+        _cleanup(instance)
+
+
+def _cleanup(instance: Containerd) -> None:
+    _LIVE.remove(instance)
+    notes = instance.cleanup(keep_base=bool(os.environ.get("CEDANA_TEST_KEEP")))
+    if notes:
+        print(f"\n[teardown {instance.version.id}] " + "; ".join(notes))
 
 
 @pytest.fixture(scope="session")
@@ -192,6 +196,32 @@ def fresh_containerd(
     """A containerd of its own, for tests that restart it or kill shims and then assert
     on everything under its state dir."""
     yield from _instance(ctrd_version, runtime, test_images, itest_root, (CTR_NAMESPACE,))
+
+
+MakeNode = Callable[[dict[str, str]], Containerd]
+
+
+@pytest.fixture
+def make_node(
+    ctrd_version: ContainerdVersion, runtime: Runtime, test_images: TestImages, itest_root: Path
+) -> Iterator[MakeNode]:
+    """Containerds of their own ("nodes": separate roots, stores and shims), each with
+    `env` added to its environment (node config keys as CEDANA_<KEY>); all removed at
+    the end. Images are in the ctr test namespace and in k8s.io."""
+    made: list[Containerd] = []
+
+    def make(env: dict[str, str]) -> Containerd:
+        namespaces = (CTR_NAMESPACE, CRI_NAMESPACE)
+        instance = make_containerd(ctrd_version, runtime, test_images, itest_root, namespaces, env)
+        _LIVE.append(instance)
+        made.append(instance)
+        return instance
+
+    try:
+        yield make
+    finally:
+        for instance in made:
+            _cleanup(instance)
 
 
 @pytest.fixture

@@ -199,6 +199,39 @@ def test_custom_values_flow_into_args(helm: list[str], tmp_path: Path) -> None:
     health = daemonset(docs, "health-check")["spec"]["template"]["spec"]
     assert helper["nodeSelector"] == health["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert health["containers"][0]["image"] == "busybox:1.36"
+    assert not any("registry" in arg for arg in args)  # off unless asked for
+
+
+def test_registry_values_reach_the_node_config_and_the_secret_the_node(
+    helm: list[str], tmp_path: Path
+) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "store": {
+                    "registry": "harbor.example.com/ckpt",
+                    "registrySecret": "ckpt-pull",
+                    "registrySync": "background",
+                }
+            }
+        )
+    )
+    docs = render(helm, "-f", str(values))
+    helper = daemonset(docs, "helper")["spec"]["template"]["spec"]
+    args = helper["containers"][0]["args"]
+    for expected in (
+        "--set=registry=harbor.example.com/ckpt",
+        "--set=registry_sync=background",
+        "--set=registry_insecure=false",
+        "--set=registry_auth_file=/etc/cedana/registry-auth.json",
+        "--registry-auth-source=/etc/cedana-registry/.dockerconfigjson",
+    ):
+        assert expected in args, (expected, args)
+    volume = next(v for v in helper["volumes"] if v["name"] == "registry-auth")
+    assert volume["secret"] == {"secretName": "ckpt-pull", "defaultMode": 0o400}
+    mount = next(m for m in helper["containers"][0]["volumeMounts"] if m["name"] == "registry-auth")
+    assert mount == {"name": "registry-auth", "mountPath": "/etc/cedana-registry", "readOnly": True}
 
 
 def test_uninstall_mode(helm: list[str]) -> None:

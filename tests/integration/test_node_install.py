@@ -409,3 +409,29 @@ def test_malformed_config_is_reported_and_untouched(
         assert node.config.read_bytes() == bad
         assert _tree(node.host_root) == before
         assert node.restarter.restarts == 0
+
+
+def test_registry_credentials_are_installed_root_only(
+    test_images: harness_images.TestImages, itest_root: Path, node_payload: Path, tmp_path: Path
+) -> None:
+    """The chart's dockerconfigjson Secret, as the helper sees it, becomes the node's
+    /etc/cedana/registry-auth.json, 0600, named by the node config; a file that is not a
+    docker config.json is refused before anything is written."""
+    version = VERSIONS["2.1"]
+    with make_node(version, "plain", test_images, itest_root, node_payload) as node:
+        bad = tmp_path / "bad.json"
+        bad.write_text('{"not": "auths"}')
+        before = _tree(node.host_root)
+        proc = node.install("--registry-auth-source", str(bad), check=False)
+        assert proc.returncode == 1 and 'no "auths" object' in proc.stderr, proc.stderr
+        assert _tree(node.host_root) == before
+
+        secret = tmp_path / ".dockerconfigjson"
+        secret.write_text('{"auths": {"harbor.example.com": {"auth": "dTpw"}}}')
+        settings = "--set=registry_auth_file=/etc/cedana/registry-auth.json"
+        result = json.loads(node.install("--registry-auth-source", str(secret), settings).stdout)
+        assert result["ok"], result
+        installed = node.host_root / "etc/cedana/registry-auth.json"
+        assert installed.read_bytes() == secret.read_bytes()
+        assert installed.stat().st_mode & 0o777 == 0o600
+        assert b"registry_auth_file" in (node.host_root / "etc/cedana/shim.toml").read_bytes()

@@ -301,6 +301,25 @@ def test_failed_install_keeps_the_taint_and_retries(
     assert len(attempts) == 3 and not server.tainted
 
 
+def test_chores_run_each_round_once_installed(
+    server: FakeApiServer, controller: TaintController
+) -> None:
+    """The pending pushes of the node's outbox are taken up by the helper's loop, only
+    on a node where the install succeeded."""
+    ran: list[int] = []
+    attempts: list[int] = []
+
+    def install() -> bool:
+        attempts.append(1)
+        return len(attempts) >= 2
+
+    run_loop(
+        controller, install, lambda: True, interval=0, reinstall_interval=0,
+        stop=Stop(), max_rounds=3, chores=(lambda: ran.append(1),),
+    )  # fmt: skip
+    assert len(ran) == 2  # not in the round whose install failed
+
+
 @pytest.mark.parametrize(
     ("pods", "local", "tainted"),
     [

@@ -28,11 +28,11 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..config import NodeConfig
-from ..errors import ResourceExhausted
+from ..errors import FailedPrecondition, ResourceExhausted, ShimError
 from ..hooks import HookRunner, HookState, Stage
 from ..runtime.mount import Mount
 from ..runtime.reaper import Reaper
@@ -52,6 +52,9 @@ from .netinfo import network_facts
 from .policy import Policy
 from .rootfs_diff import capture, capture_dir, upperdir_of
 from .store import Entry, Ingest, Store
+
+if TYPE_CHECKING:
+    from .remote import Outbox, RemoteStore, SyncResult
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +139,43 @@ class Pipeline:
         self.hooks = hooks
         self.gpu = gpu
         self.versions = Versions()
+        self._remote: RemoteStore | None = None
+
+    # -- the registry (node config `registry`) ------------------------------------------
+
+    def outbox(self) -> Outbox:
+        """Checkpoints committed here and not pushed yet (durable, in the store)."""
+        from .remote import Outbox
+
+        return Outbox(self.store.root)
+
+    def remote(self) -> RemoteStore:
+        """The registry of the node config; built once (credentials are read then)."""
+        if self._remote is None:
+            from .remote import RemoteStore
+
+            remote = RemoteStore.from_config(self.store, self.config, platform.node())
+            if remote is None:
+                raise FailedPrecondition("no registry in the node config")
+            self._remote = remote
+        return self._remote
+
+    def push_refusal(self, scope: str) -> str:
+        """Why checkpoints of namespace ``scope`` cannot go to the registry (its name
+        cannot name a repository: e.g. containerd's k8s.io outside Kubernetes); ""."""
+        from ..registry import parse_registry, repository_for
+
+        try:
+            repository_for(parse_registry(self.config.registry).prefix, scope)
+        except ShimError as err:
+            return f"namespace {scope!r} cannot be pushed to {self.config.registry}: {err}"
+        return ""
+
+    def push_pending(self, ids: list[str] | None) -> SyncResult:
+        """Push ``ids`` (or every pending push) to the registry. Blocking."""
+        from .remote import sync
+
+        return sync(self.remote(), self.outbox(), only=ids)
 
     async def dump(self, target: Target, request: DumpRequest) -> Dump:
         """CRIU dump + rootfs diff into a staging area; the caller publishes or aborts."""

@@ -29,23 +29,26 @@ import asyncio
 import contextlib
 import logging
 import os
-import platform
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import NodeConfig
 from ..errors import DataLoss, DeadlineExceeded, ShimError
 from ..hooks import HookRunner, HookState, Stage
 from . import criu_config
+from .compat import incompatible
 from .gpu_steps import GpuSteps
 from .layers import CRIU_LAYER, ROOTFS_LAYER, SHM_LAYER, shm_source
 from .netinfo import same_addresses
 from .policy import Policy
 from .rootfs_diff import apply, apply_dir
 from .store import Entry, Store
+
+if TYPE_CHECKING:
+    from .remote import RemoteCheckpoint, RemoteStore
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,10 @@ class RestoreHost(Protocol):
     def spec(self) -> Mapping[str, Any]: ...
 
     async def network_facts(self) -> Any: ...
+    async def tool_versions(self) -> Mapping[str, str]:
+        """This node's kernel, arch, CRIU and runc versions (as a checkpoint records)."""
+        ...
+
     async def restore_images(self, request: RestoreRequest) -> int:
         """``runc restore`` from the images; the new init's pid."""
         ...
@@ -144,17 +151,12 @@ class RawImagesBad(DataLoss):
     """The raw images CRIU read are not what was checkpointed."""
 
 
-def unusable(entry: Entry) -> str:
-    """Why this node cannot restore ``entry`` at all; empty when it may try."""
+def unusable(entry: Entry, here: Mapping[str, str]) -> str:
+    """Why this node (tool versions ``here``) cannot restore ``entry`` at all; empty
+    when it may try."""
     if entry.damage is not None:
         return f"damaged: {entry.damage}"
-    versions = entry.metadata.get("versions")
-    if not isinstance(versions, Mapping):
-        return "the checkpoint records no tool versions"
-    arch = versions.get("arch")
-    if arch and arch != platform.machine():
-        return f"it was taken on {arch}, this node is {platform.machine()}"
-    return ""
+    return incompatible(entry.metadata, here)
 
 
 class RestoreSession:
@@ -169,6 +171,7 @@ class RestoreSession:
         container_id: str,
         report: Callable[[RestoreReport], None],
         writing_here: Callable[[str, str], bool] = lambda scope, label: False,
+        remote: Callable[[], RemoteStore] | None = None,
     ) -> None:
         self.store = store
         self.hooks = hooks
@@ -178,7 +181,8 @@ class RestoreSession:
         self._report = report
         self._writing_here = writing_here  # this daemon's own stops still dumping
         self.result = RestoreReport(container_id, policy.scope, policy.label)
-        self._remaining: list[Entry] = []
+        self._remote = remote  # the node's registry, when it has one
+        self._remaining: list[Entry | RemoteCheckpoint] = []
         self._raw_refused: set[str] = set()  # ids whose raw images failed their check
         self.plan: Plan | None = None
 
@@ -197,15 +201,35 @@ class RestoreSession:
             self._finish()
         return self.plan is not None
 
-    async def _candidates(self) -> list[Entry]:
+    async def _candidates(self) -> list[Entry | RemoteCheckpoint]:
+        """The label's checkpoints here and in the registry, newest first (one taken
+        here and also pushed counts once, as the local one)."""
         scope, label = self.policy.scope, self.policy.label
         await self._wait_for_writers(scope, label)
+        local: list[Entry] = []
         try:
-            return await asyncio.to_thread(self.store.candidates, scope, label)
+            local = await asyncio.to_thread(self.store.candidates, scope, label)
         except (ShimError, OSError) as err:
             # A damaged store must never keep a container from running.
-            self.result.store_problem = f"checkpoint store unusable, starting cold: {err}"
+            self.result.store_problem = f"checkpoint store unusable: {err}"
+        remote = await self._remote_candidates(scope, label, {e.id for e in local})
+        found: list[Entry | RemoteCheckpoint] = [*local, *remote]
+        # Stable: at equal times the local copy (listed first) wins.
+        found.sort(key=lambda c: c.created, reverse=True)
+        return found
+
+    async def _remote_candidates(
+        self, scope: str, label: str, local: set[str]
+    ) -> list[RemoteCheckpoint]:
+        if self._remote is None:
             return []
+        try:
+            remote = self._remote()
+            listed = await asyncio.to_thread(remote.candidates, scope, label)
+        except (ShimError, OSError) as err:
+            self.result.skipped.append(f"registry: cannot list checkpoints ({err})")
+            return []
+        return [c for c in listed if c.checkpoint_id not in local]
 
     async def _wait_for_writers(self, scope: str, label: str) -> None:
         """A checkpoint of this label still being written is the one to restore:
@@ -219,6 +243,8 @@ class RestoreSession:
             except (ShimError, OSError):
                 writers = []
             here = self._writing_here(scope, label)
+            if not writers and not here:
+                writers = await self._pushes_in_flight(scope, label)
             if not writers and not here:
                 break
             if not announced:
@@ -248,22 +274,75 @@ class RestoreSession:
                 extra={"container": self.container_id, "label": label, "waited_s": waited},
             )
 
+    async def _pushes_in_flight(self, scope: str, label: str) -> list[str]:
+        """Checkpoints of the label another node is still pushing (newer than any
+        complete one; a push older than checkpoint_timeout lost its owner)."""
+        if self._remote is None:
+            return []
+        try:
+            remote = self._remote()
+            pushing = await asyncio.to_thread(
+                remote.in_flight, scope, label, max_age=self.config.checkpoint_timeout
+            )
+        except (ShimError, OSError):
+            return []  # an unreachable registry is reported by the listing
+        return [f"{p.checkpoint_id} (being pushed by {p.node})" for p in pushing]
+
     async def _prepare_next(self, host: RestoreHost) -> Plan | None:
         network: Any = None
+        here = await host.tool_versions()
         while self._remaining:
-            entry = self._remaining.pop(0)
-            why = unusable(entry)
+            candidate = self._remaining.pop(0)
+            if isinstance(candidate, Entry):
+                entry = candidate
+            else:
+                pulled = await self._pull(candidate, here)
+                if pulled is None:
+                    continue
+                entry = pulled
+            why = unusable(entry, here)
             if why:
-                self._skip(entry, why)
+                self._skip(entry.id, why)
                 continue
             if network is None:
                 network = await host.network_facts()
             try:
                 return await asyncio.to_thread(self._unpack, entry, host, network)
             except (ShimError, OSError) as err:
-                self._skip(entry, str(err))
+                self._skip(entry.id, str(err))
                 await host.reset_rootfs()
         return None
+
+    async def _pull(self, candidate: RemoteCheckpoint, here: Mapping[str, str]) -> Entry | None:
+        """A checkpoint from the registry into this node's store, if this node can take
+        it (checked on its metadata before anything large is downloaded); None when it
+        was skipped (recorded)."""
+        assert self._remote is not None
+        node = candidate.node or f"#{candidate.node_hash}"
+        what = f"{candidate.checkpoint_id} (registry, from node {node})"
+        try:
+            remote = self._remote()
+            metadata = await asyncio.to_thread(remote.fetch_metadata, candidate)
+            why = incompatible(metadata, here)
+            if why:
+                self._skip(what, why)
+                return None
+            started = time.monotonic()
+            entry = await asyncio.to_thread(remote.pull, candidate)
+        except (ShimError, OSError) as err:
+            self._skip(what, f"cannot pull it: {err}")
+            return None
+        log.info(
+            "pulled checkpoint from the registry",
+            extra={
+                "container": self.container_id,
+                "checkpoint": entry.id,
+                "node": entry.metadata.get("node") or node,
+                "size": entry.size,
+                "seconds": round(time.monotonic() - started, 3),
+            },
+        )
+        return entry
 
     def _unpack(self, entry: Entry, host: RestoreHost, network: Any) -> Plan:
         """Verify ``entry`` and lay it out for CRIU and the new rootfs. Blocking."""
@@ -340,7 +419,7 @@ class RestoreSession:
             try:
                 pid = await self._attempt(host, plan)
             except RawImagesBad as bad:
-                self._skip(plan.entry, f"raw images discarded: {bad}")
+                self._skip(plan.entry.id, f"raw images discarded: {bad}")
                 await host.discard_attempt()
                 retry = await asyncio.to_thread(self._discard_raw, plan.entry)
                 if retry is not None:
@@ -348,7 +427,7 @@ class RestoreSession:
                     self._raw_refused.add(retry.id)
                     self._remaining.insert(0, retry)
             except (ShimError, OSError) as err:
-                self._skip(plan.entry, f"restore failed: {err}")
+                self._skip(plan.entry.id, f"restore failed: {err}")
                 await host.discard_attempt()
             else:
                 self.result.checkpoint_id = plan.entry.id
@@ -464,11 +543,11 @@ class RestoreSession:
 
     # -- bookkeeping --------------------------------------------------------------
 
-    def _skip(self, entry: Entry, why: str) -> None:
-        self.result.skipped.append(f"{entry.id}: {why}")
+    def _skip(self, checkpoint: str, why: str) -> None:
+        self.result.skipped.append(f"{checkpoint}: {why}")
         log.warning(
             "skipping checkpoint",
-            extra={"container": self.container_id, "checkpoint": entry.id, "error": why},
+            extra={"container": self.container_id, "checkpoint": checkpoint, "error": why},
         )
 
     def _finish(self) -> None:

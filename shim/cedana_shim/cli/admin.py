@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 from cedana_shim import __version__, errors
 
+from . import admin_remote
 from .admin_common import ROOT_HINT, CliError, is_root
 
 PROG = "cedana"
@@ -286,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("--json", action="store_true", help="print the report as JSON")
     rp.set_defaults(handler=_handler("repair"))
+    admin_remote.register(sub, common, _Formatter)  # list --remote, push, pull, sync
     return parser
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "parse_rfc3339",
     "render_progress",
     "render_table",
+    "render_transfer",
 ]
 
 ROOT_HINT: Final = "run cedana as root (sudo cedana ...)"
@@ -149,3 +150,17 @@ def render_progress(
             room = max(width - 1, 1) - len(spin) - 1 - len(tail)
         what = what[: max(room - 3, 0)] + "..." if room >= 3 else ""
     return f"{spin} {what}{tail}"
+
+
+def render_transfer(what: str, done: int, total: int, elapsed: float, width: int) -> str:
+    """One line of a transfer's progress, never wider than ``width`` (no control
+    characters): ``pushing 2026...  [=====     ]  45.2 MiB / 100.0 MiB  12.3 MB/s``."""
+    fraction = min(done / total, 1.0) if total > 0 else 1.0
+    filled = int(fraction * BAR_WIDTH)
+    bar = "[" + "=" * filled + " " * (BAR_WIDTH - filled) + "]"
+    rate = done / elapsed / 1e6 if elapsed > 0 else 0.0
+    tail = f"  {bar}  {human_size(done)} / {human_size(total)}  {rate:.1f} MB/s"
+    room = max(width - 1, 1) - len(tail)
+    if room < len(what):
+        what = what[: max(room - 3, 0)] + "..." if room >= 3 else ""
+    return f"{what}{tail}"

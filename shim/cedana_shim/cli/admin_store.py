@@ -207,6 +207,10 @@ def list_table(entries: list[tuple[Entry, str | None]], now: datetime) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    if getattr(args, "remote", False):
+        from .admin_remote import cmd_list_remote
+
+        return cmd_list_remote(args)
     store = open_store(args)
     entries = store.list(scope=args.namespace, label=args.label)
     if args.quiet:

@@ -105,6 +105,12 @@ def _install_args(p: argparse.ArgumentParser) -> None:
         help="a CRIU >= 4.1 binary to install as /usr/local/sbin/criu if the node has none",
     )
     p.add_argument(
+        "--registry-auth-source",
+        metavar="FILE",
+        help="a docker config.json with the checkpoint registry's credentials, installed "
+        "as /etc/cedana/registry-auth.json (0600); set registry_auth_file to that path",
+    )
+    p.add_argument(
         "--skip-criu-check",
         action="store_true",
         help="install even without CRIU >= 4.1 (checkpoints will fail)",
@@ -261,6 +267,7 @@ def _options(args: argparse.Namespace, **extra: Any) -> Any:
             shim_settings=settings_from(args.settings),
             shim_config_file=args.shim_config_file,
             criu_source=args.criu_source,
+            registry_auth_source=args.registry_auth_source,
             require_criu=not args.skip_criu_check,
             allow_dropin=not args.no_dropin,
             verify=args.verify,
@@ -391,6 +398,11 @@ def _run_helper(args: argparse.Namespace) -> int:
         except CriError:
             return False
 
+    def pending_pushes() -> None:
+        from .pending_pushes import push_pending
+
+        push_pending(HostRoot(opts.host_root), opts.shim_config)
+
     return run_loop(
         controller,
         do_install,
@@ -398,6 +410,7 @@ def _run_helper(args: argparse.Namespace) -> int:
         interval=args.interval,
         reinstall_interval=args.reinstall_interval,
         stop=stop,
+        chores=(pending_pushes,),
     )
 
 

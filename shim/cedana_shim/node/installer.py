@@ -10,6 +10,7 @@ restart), and the CRI is asked afterwards whether the ``cedana`` handler answers
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -44,6 +45,9 @@ class Options:
     shim_config_file: str | None = None
     criu_source: str | None = None
     require_criu: bool = True
+    # A docker config.json to install as REGISTRY_AUTH_PATH (0600) for node config
+    # registry_auth_file.
+    registry_auth_source: str | None = None
     allow_dropin: bool = True
     verify: Verify = "pod"
     probe_image: str | None = None
@@ -149,6 +153,32 @@ def _shell(command: str, timeout: float) -> subprocess.CompletedProcess[bytes]:
     )
 
 
+REGISTRY_AUTH_PATH = "/etc/cedana/registry-auth.json"
+
+
+def _registry_auth(opts: Options) -> bytes | None:
+    """The registry credentials to install (a docker config.json, e.g. the chart's
+    kubernetes.io/dockerconfigjson Secret), checked before anything is written."""
+    if opts.registry_auth_source is None:
+        return None
+    try:
+        with open(opts.registry_auth_source, "rb") as f:
+            data = f.read(1 << 20)
+        parsed = json.loads(data)
+    except (OSError, ValueError) as err:
+        raise NodeError(
+            f"--registry-auth-source {opts.registry_auth_source}: not a readable docker "
+            f"config.json ({err})"
+        ) from None
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("auths"), dict):
+        raise NodeError(
+            f'--registry-auth-source {opts.registry_auth_source}: no "auths" object (a '
+            "docker config.json, as in a kubernetes.io/dockerconfigjson Secret's "
+            ".dockerconfigjson key)"
+        )
+    return data
+
+
 def _node_config(ctx: Context) -> bytes | None:
     """The node config to write, or None to leave the host's as it is."""
     opts = ctx.opts
@@ -194,8 +224,10 @@ def _install(ctx: Context) -> None:
     criu_check = criu_mod.check(host)
     if not criu_check.ok and opts.criu_source is None and opts.require_criu:
         raise NodeError(f"{criu_check.problem}. {criu_mod.HOW_TO_GET}")
+    criu_detail = criu_check.describe()
     if criu_check.ok and opts.require_criu:
-        report.add("criu", "ok", criu_mod.probe_sockets(host, criu_check))
+        criu_detail = criu_mod.probe_sockets(host, criu_check)
+    registry_auth = _registry_auth(opts)
     if opts.criu_source is not None and not criu_check.ok:
         out = subprocess.run(
             [opts.criu_source, "--version"], capture_output=True, timeout=30, check=False
@@ -226,8 +258,13 @@ def _install(ctx: Context) -> None:
         report.add("node config", "changed" if changed else "unchanged", opts.shim_config)
     else:
         report.add("node config", "unchanged", f"{opts.shim_config} (the node's own, kept)")
+    if registry_auth is not None:
+        changed = ctx.managed.put_file(REGISTRY_AUTH_PATH, registry_auth, 0o600)
+        report.add(
+            "registry credentials", "changed" if changed else "unchanged", REGISTRY_AUTH_PATH
+        )
     if criu_check.ok:
-        report.add("criu", "ok", criu_check.describe())
+        report.add("criu", "ok", criu_detail)
     elif opts.criu_source is not None:
         with open(opts.criu_source, "rb") as f:
             changed = ctx.managed.put_file(criu_mod.INSTALL_PATH, f.read(), 0o755)

@@ -93,8 +93,10 @@ def run_loop(
     reinstall_interval: float,
     stop: Stop,
     max_rounds: int | None = None,
+    chores: tuple[Callable[[], object], ...] = (),
 ) -> int:
-    """The helper's life; returns when ``stop`` is set (or after ``max_rounds``)."""
+    """The helper's life; returns when ``stop`` is set (or after ``max_rounds``).
+    ``chores`` run once a round, after the taint (they log their own failures)."""
     local = taint.Local(installed=False, handler_ok=False)
     _reconcile(controller, local)
     next_install = time.monotonic()
@@ -113,6 +115,9 @@ def run_loop(
         elif local.installed:
             local = taint.Local(installed=True, handler_ok=handler_ok())
         _reconcile(controller, local)
+        if local.installed:
+            for chore in chores:
+                chore()
         rounds += 1
         if max_rounds is not None and rounds >= max_rounds:
             break

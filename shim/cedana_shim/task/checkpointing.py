@@ -86,6 +86,7 @@ class CheckpointManager:
                 container_id=container_id,
                 report=self.report_restore,
                 writing_here=self.writing,
+                remote=pipeline.remote if config.registry else None,
             )
         return cr, restore
 
@@ -135,10 +136,18 @@ class CheckpointManager:
 
     # -- compaction, in the background ---------------------------------------------
 
-    def compact_later(self, pipeline: Pipeline, checkpoint_id: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._compact(pipeline, checkpoint_id))
+    def compact_later(self, pipeline: Pipeline, checkpoint_id: str) -> asyncio.Task[None]:
+        """Compaction (niced), then the push to the registry when the node has one."""
+
+        async def run() -> None:
+            await self._compact(pipeline, checkpoint_id)
+            if pipeline.config.registry:
+                await self._push(pipeline, [checkpoint_id])
+
+        task = asyncio.get_running_loop().create_task(run())
         self._compactions.add(task)
         task.add_done_callback(self._compactions.discard)
+        return task
 
     def compact_leftovers(self, pipeline: Pipeline) -> None:
         """Compact what a daemon that died (or was killed) left raw; after a pause, so
@@ -153,6 +162,8 @@ class CheckpointManager:
                 return
             for checkpoint_id in pending:
                 await self._compact(pipeline, checkpoint_id)
+            if pipeline.config.registry:
+                await self._push(pipeline, None)  # what dead daemons left in the outbox
 
         task = asyncio.get_running_loop().create_task(run())
         self._sweeps.add(task)
@@ -173,6 +184,32 @@ class CheckpointManager:
             log.info(
                 "checkpoint compacted",
                 extra={"checkpoint": checkpoint_id, "size": entry.size, "label": entry.label},
+            )
+
+    async def _push(self, pipeline: Pipeline, ids: list[str] | None) -> None:
+        """Push pending checkpoints (``ids``, or all the outbox holds) to the registry; a
+        failure leaves them pending for the next daemon or the node agent."""
+        try:
+            result = await asyncio.to_thread(pipeline.push_pending, ids)
+        except (ShimError, OSError) as err:
+            log.warning(
+                "cannot push checkpoints to the registry; they stay pending",
+                extra={"checkpoints": ids, "registry": pipeline.config.registry, "error": str(err)},
+            )
+            return
+        for checkpoint_id in result.pushed:
+            log.info(
+                "checkpoint pushed",
+                extra={"checkpoint": checkpoint_id, "registry": pipeline.config.registry},
+            )
+        for checkpoint_id, error in result.failed:
+            log.warning(
+                "checkpoint push failed; it stays pending",
+                extra={
+                    "checkpoint": checkpoint_id,
+                    "registry": pipeline.config.registry,
+                    "error": error,
+                },
             )
 
     async def drain(self, timeout: float) -> None:
@@ -196,6 +233,8 @@ class Checkpointing:
     _dumping: asyncio.Task[Dump] | None = None  # for a SIGKILL to abandon
     _stop: asyncio.Task[Any] | None = None
     _periodic: asyncio.Task[None] | None = None
+    _after_commit: asyncio.Task[None] | None = None  # compaction, then the push
+    _hurry: asyncio.Event = field(default_factory=asyncio.Event)  # SIGKILL after durable
 
     @property
     def config(self) -> NodeConfig:
@@ -294,11 +333,35 @@ class Checkpointing:
             if init.stop is None:  # no longer STOPPING: it died meanwhile (OOM, a kill
                 return entry  # from outside), nothing left to stop
             init.stop_durable()
+        if self.config.registry and self.config.registry_sync == "before-exit":
+            await self._wait_for_push(entry)
         if self.config.tcp_established:
             await self._silence_connections(current)
         with contextlib.suppress(NotFound):
             await current.runc.kill(self.container_id, signal.SIGKILL, all=True)
         return entry
+
+    async def _wait_for_push(self, entry: Entry) -> None:
+        """registry_sync = before-exit: the exit waits for the push (a spot node's disk
+        goes with it), until a SIGKILL (the end of the grace period) or
+        checkpoint_timeout; the push goes on in the background either way."""
+        push = self._after_commit
+        if push is None or push.done():
+            return
+        hurry = asyncio.get_running_loop().create_task(self._hurry.wait())
+        try:
+            await asyncio.wait(
+                {push, hurry},
+                timeout=self.config.checkpoint_timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            hurry.cancel()
+        if not push.done():
+            log.warning(
+                "exit reported before the checkpoint reached the registry; the push goes on",
+                extra={"container": self.container_id, "checkpoint": entry.id},
+            )
 
     async def _silence_connections(self, current: Target) -> None:
         """The kill must not close the checkpointed TCP connections for their peers
@@ -338,6 +401,7 @@ class Checkpointing:
     async def abort(self, init: Process) -> None:
         """A SIGKILL arrived: give up a dump in progress; nothing of it becomes visible."""
         if init.stop is not None and init.stop.durable:
+            self._hurry.set()  # no more waiting for the push: the kill goes first
             return  # the checkpoint is safe; the processes are being killed anyway
         task = self._dumping
         if task is not None and not task.done():
@@ -435,8 +499,28 @@ class Checkpointing:
                 size=entry.size,
             )
         )
-        self.manager.compact_later(self.pipeline, entry.id)
+        if self.config.registry:
+            await self._record_push(entry)
+        self._after_commit = self.manager.compact_later(self.pipeline, entry.id)
         return entry
+
+    async def _record_push(self, entry: Entry) -> None:
+        """The outbox record comes first: a push this daemon does not finish is taken up
+        by the next daemon or the node agent."""
+        refusal = self.pipeline.push_refusal(entry.scope)
+        if refusal:
+            log.warning(
+                "checkpoint stays on this node", extra={"checkpoint": entry.id, "why": refusal}
+            )
+            return
+        try:
+            await asyncio.to_thread(self.pipeline.outbox().add, entry.id)
+        except (ShimError, OSError) as err:
+            log.error(
+                "cannot record the pending push of a checkpoint; this daemon pushes it, "
+                "no other will if it dies first",
+                extra={"checkpoint": entry.id, "error": str(err)},
+            )
 
     def _failed(self, reason: str, err: BaseException) -> None:
         what = "cancelled" if isinstance(err, asyncio.CancelledError) else str(err)

@@ -22,7 +22,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,6 +253,10 @@ class Container:
         except Exception as err:
             log.warning("no network facts", extra={"container": self.id, "error": str(err)})
             return {}
+
+    async def tool_versions(self) -> Mapping[str, str]:
+        assert self.cr is not None  # a restore session exists for opted-in containers only
+        return await self.cr.pipeline.versions.get(self.runc)
 
     async def restore_images(self, request: RestoreRequest) -> int:
         self._fresh_io()

@@ -38,6 +38,15 @@ app.kubernetes.io/name=cedana,app.kubernetes.io/instance={{ .root.Release.Name }
 {{/* Node config settings, as `--set=KEY=VALUE` arguments of `cedana node`. */}}
 {{- define "cedana.settings" -}}
 {{- $s := dict "store_path" .Values.store.path "compression_level" .Values.compression.level "compression_threads" .Values.compression.threads "retain" .Values.checkpoint.retain "checkpoint_timeout" .Values.checkpoint.timeout "restore_timeout" .Values.checkpoint.restoreTimeout "checkpoint_interval" .Values.checkpoint.defaultInterval -}}
+{{- if .Values.store.registry -}}
+{{- $_ := set $s "registry" .Values.store.registry -}}
+{{- $_ := set $s "registry_ca" .Values.store.registryCA -}}
+{{- $_ := set $s "registry_insecure" .Values.store.registryInsecure -}}
+{{- $_ := set $s "registry_sync" .Values.store.registrySync -}}
+{{- if .Values.store.registrySecret -}}
+{{- $_ := set $s "registry_auth_file" "/etc/cedana/registry-auth.json" -}}
+{{- end -}}
+{{- end -}}
 {{- $s = merge (deepCopy .Values.shimConfig) $s -}}
 {{- range $key := keys $s | sortAlpha }}
 {{- $value := index $s $key }}

@@ -1,5 +1,6 @@
 """The checkpoint store (see store.py for the layout and the commit sequence)."""
 
+from .adopt import Adoption
 from .ingest import Ingest
 from .layout import Chunk, SplitFile
 from .model import (
@@ -18,6 +19,7 @@ __all__ = [
     "COMMIT_STEPS",
     "COMPACT_STEPS",
     "PUBLISH_STEPS",
+    "Adoption",
     "Chunk",
     "Entry",
     "Ingest",

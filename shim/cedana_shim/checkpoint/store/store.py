@@ -44,6 +44,7 @@ missing index.json is rebuilt from the blobs by every write path and by
 
 from __future__ import annotations
 
+from .adopt import Adopter
 from .compactor import Compactor
 from .ingest import Ingest
 from .maintenance import Maintenance
@@ -55,7 +56,7 @@ from .writer import Writer
 __all__ = ["Store"]
 
 
-class Store(Writer, Compactor, Reader, RawImages, Maintenance):
+class Store(Writer, Compactor, Reader, RawImages, Maintenance, Adopter):
     def commit(self, ingest: Ingest) -> Entry:
         """publish + compact, blocking: for callers with no background to compact in.
 

@@ -1,0 +1,182 @@
+"""Pulling a checkpoint from the registry into the local store, verified, all or nothing.
+
+The manifest is read first and checked against the tag and repository it was found
+under (manifest.py); every blob's size is checked against limits and the store's
+free space BEFORE anything is downloaded. Blobs the store already holds (chunks of
+an earlier checkpoint) are pinned from it, not downloaded; the rest stream into the
+store's staging dir (store/adopt.py), their sha256 verified on the way, a small
+pool at once, the config first (and checked, so a bad one costs no layer
+download). Only when every blob is there does the store commit the checkpoint;
+any failure removes the staging dir, so nothing partial is ever visible.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Final
+
+from cedana_shim import errors
+from cedana_shim.checkpoint.store import Adoption, Entry, Store
+from cedana_shim.checkpoint.store.adopt import manifest_blobs
+from cedana_shim.checkpoint.store.layout import (
+    ANN_CREATED,
+    ANN_ID,
+    ANN_LABEL,
+    ANN_SCOPE,
+    MAX_CONFIG_BYTES,
+    MAX_MANIFEST_BYTES,
+    MEDIA_TYPE_MANIFEST,
+    CheckpointRef,
+    Descriptor,
+    Manifest,
+    parse_checkpoint_ref,
+    parse_config,
+)
+from cedana_shim.registry import RegistryClient
+
+from .manifest import parse_checkpoint_manifest
+from .model import RemoteCheckpoint
+from .tags import CheckpointTag, parse_tag
+
+__all__ = [
+    "DOWNLOAD_WORKERS",
+    "MAX_BLOB_BYTES",
+    "Progress",
+    "check_config",
+    "check_sizes",
+    "pull_into",
+    "read_manifest",
+]
+
+DOWNLOAD_WORKERS: Final = 4
+MAX_BLOB_BYTES: Final = 1 << 40  # no layer of a checkpoint comes near a TiB
+# Kept free on the store's filesystem after a pull: the next checkpoint needs room too.
+FREE_MARGIN_BYTES: Final = 64 << 20
+Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
+
+
+def _tag_of(remote: RemoteCheckpoint) -> CheckpointTag:
+    tag = parse_tag(remote.tag)
+    if tag is None or tag.pending or tag.checkpoint_id != remote.checkpoint_id:
+        raise errors.InvalidArgument(
+            f"{remote.ref} is not the tag of checkpoint {remote.checkpoint_id}"
+        )
+    return tag
+
+
+def read_manifest(
+    client: RegistryClient, remote: RemoteCheckpoint
+) -> tuple[bytes, Manifest, CheckpointRef]:
+    """The checkpoint's manifest from the registry, checked (see manifest.py)."""
+    tag = _tag_of(remote)
+    repo = client.repository_for(remote.scope)
+    if repo != remote.repository:
+        raise errors.InvalidArgument(
+            f"{remote.ref}: repository {remote.repository} is not namespace {remote.scope}'s"
+        )
+    data, _, digest = client.get_manifest(repo, remote.tag, max_size=MAX_MANIFEST_BYTES)
+    where = f"registry {client.host}: {repo}:{remote.tag}"
+    manifest = parse_checkpoint_manifest(
+        data, where, scope=remote.scope, tag=tag, label=remote.label or None
+    )
+    keys = (ANN_ID, ANN_SCOPE, ANN_LABEL, ANN_CREATED)
+    desc = Descriptor(
+        MEDIA_TYPE_MANIFEST, digest, len(data), {k: manifest.annotations[k] for k in keys}
+    )
+    return data, manifest, parse_checkpoint_ref(desc, 0, where)
+
+
+def check_config(data: bytes, ref: CheckpointRef, where: str) -> Mapping[str, object]:
+    return parse_config(data, f"{where}: config", ref).metadata
+
+
+def check_sizes(manifest: Manifest, where: str) -> None:
+    if manifest.config.size > MAX_CONFIG_BYTES:
+        raise errors.DataLoss(
+            f"{where}: the config announces {manifest.config.size} bytes, more than the "
+            f"{MAX_CONFIG_BYTES} a config may have; nothing downloaded"
+        )
+    for digest, size in manifest_blobs(manifest).items():
+        if size > MAX_BLOB_BYTES:
+            raise errors.DataLoss(
+                f"{where}: blob {digest} announces {size} bytes, more than the "
+                f"{MAX_BLOB_BYTES} a checkpoint blob may have; nothing downloaded"
+            )
+
+
+def _check_space(store: Store, need: int, remote: RemoteCheckpoint) -> None:
+    try:
+        st = os.statvfs(store.root)
+    except OSError as err:
+        raise errors.Internal(f"checking free space in {store.root}: {err}") from err
+    free = st.f_bavail * st.f_frsize
+    if need + FREE_MARGIN_BYTES > free:
+        raise errors.ResourceExhausted(
+            f"pulling checkpoint {remote.checkpoint_id} ({remote.ref}) needs {need} bytes in "
+            f"{store.root}, which has {free} free; nothing was downloaded. Free space there "
+            "(`cedana checkpoints prune`) and retry"
+        )
+
+
+class _Meter:
+    """Bytes done across parallel downloads, for one progress callback."""
+
+    def __init__(self, total: int, progress: Progress | None) -> None:
+        self._total = total
+        self._progress = progress
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def blob(self, digest: str) -> Callable[[int], None]:
+        def update(held: int) -> None:
+            with self._lock:
+                self._held[digest] = held
+                done = sum(self._held.values())
+            if self._progress is not None:
+                self._progress(done, self._total)
+
+        return update
+
+
+def pull_into(
+    store: Store, client: RegistryClient, remote: RemoteCheckpoint, progress: Progress | None
+) -> Entry:
+    """See the module doc; the entry as the local store has it afterwards."""
+    data, manifest, ref = read_manifest(client, remote)
+    where = f"registry {client.host}: {remote.repository}:{remote.tag}"
+    check_sizes(manifest, where)
+    blobs = manifest_blobs(manifest)
+    with store.begin_adoption(remote.checkpoint_id) as adoption:
+        missing = {d: s for d, s in blobs.items() if not adoption.link_existing(d, s)}
+        _check_space(store, sum(missing.values()), remote)
+        meter = _Meter(sum(missing.values()), progress)
+        config = manifest.config
+        if config.digest in missing:
+            _download(client, remote.repository, adoption, config.digest, config.size, meter)
+        check_config(adoption.read_staged(config.digest, MAX_CONFIG_BYTES), ref, where)
+        rest = sorted((d for d in missing if d != config.digest), key=lambda d: -missing[d])
+        with ThreadPoolExecutor(DOWNLOAD_WORKERS, thread_name_prefix="cedana-pull") as pool:
+            futures = [
+                pool.submit(_download, client, remote.repository, adoption, d, missing[d], meter)
+                for d in rest
+            ]
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+        return store.adopt(adoption, data)
+
+
+def _download(
+    client: RegistryClient, repo: str, adoption: Adoption, digest: str, size: int, meter: _Meter
+) -> None:
+    def fill(out: IO[bytes]) -> None:
+        client.pull_blob(repo, digest, size, out, max_size=size, progress=meter.blob(digest))
+
+    adoption.write_blob(digest, size, fill)

@@ -1,0 +1,373 @@
+"""The registry as the checkpoint store shared by every node: push, list, pull, prune.
+
+One repository per namespace (``<prefix>/<namespace>``), one immutable tag per
+checkpoint (tags.py). A push writes, in this order: the in-flight marker
+``<tag>.pending`` (manifest.py), every blob the registry lacks (chunked, resumable:
+a push killed half way and run again sends only what is missing), the manifest
+under its tag LAST (the commit point: a tag always names a whole checkpoint), then
+deletes the marker (a registry that refuses deletes keeps it, superseded by the
+tag). Listing reads the tag list only; manifests are read for what a tag does not
+say (a hashed label, a marker's start time). See pull.py for pulls.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import IO, TYPE_CHECKING, Any, Final, TypeAlias
+
+from cedana_shim import errors
+from cedana_shim.checkpoint.store.adopt import manifest_blobs
+from cedana_shim.checkpoint.store.layout import ANN_LABEL, MEDIA_TYPE_MANIFEST, parse_manifest
+from cedana_shim.registry import RegistryClient, RegistryConfig
+
+from .manifest import (
+    EMPTY_CONFIG,
+    EMPTY_DIGEST,
+    check_node,
+    checkpoint_manifest,
+    marker_manifest,
+    parse_marker,
+)
+from .model import RemoteCheckpoint
+from .pull import Progress, check_config, check_sizes, pull_into, read_manifest
+from .tags import PENDING_SUFFIX, CheckpointTag, encode_label, parse_tag, tag_for
+
+if TYPE_CHECKING:
+    from cedana_shim.checkpoint.store import Entry, Store
+    from cedana_shim.config import NodeConfig
+
+__all__ = ["UPLOAD_WORKERS", "RemoteStore"]
+
+log = logging.getLogger(__name__)
+
+UPLOAD_WORKERS: Final = 4
+# `list` is a method name below, so the class body cannot say list[...].
+_Remotes: TypeAlias = list[RemoteCheckpoint]
+_Ids: TypeAlias = list[str]
+_Tags: TypeAlias = list[CheckpointTag]
+
+
+def _newest_first(tags: Iterable[CheckpointTag]) -> _Tags:
+    return sorted(tags, key=lambda t: (t.created, t.suffix, t.node_hash), reverse=True)
+
+
+class RemoteStore:
+    """A node's view of the registry (see the module doc); safe to share between threads."""
+
+    def __init__(self, store: Store, client: RegistryClient, node: str) -> None:
+        self.store = store
+        self.client = client
+        self.node = check_node(node)
+        self._deletes_refused = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, store: Store, config: NodeConfig, node: str) -> RemoteStore | None:
+        """The remote store the node config names; None when ``registry`` is ""."""
+        if not config.registry:
+            return None
+        settings = RegistryConfig(
+            registry=config.registry,
+            auth_file=config.registry_auth_file,
+            ca_file=config.registry_ca,
+            insecure=config.registry_insecure,
+            timeout=config.registry_timeout,
+        )
+        uploads = os.path.join(store.root, "outbox", "uploads")
+        return cls(store, RegistryClient(settings, upload_state_dir=uploads), node)
+
+    # -- push -------------------------------------------------------------------------
+
+    def push(self, checkpoint_id: str, progress: Progress | None = None) -> RemoteCheckpoint:
+        """Push a checkpoint of the local store (compacting it first if it is raw).
+
+        Idempotent: a checkpoint whose tag exists is not sent again; one whose push
+        was interrupted sends only what the registry lacks.
+        """
+        entry = self._compacted(checkpoint_id)
+        try:
+            repo = self.client.repository_for(entry.scope)
+            tag = tag_for(entry.label, entry.created, entry.id, self.node)
+        except errors.InvalidArgument as err:
+            raise errors.InvalidArgument(
+                f"checkpoint {entry.id} ({entry.scope}/{entry.label}) cannot be pushed to "
+                f"registry {self.client.host}: {err}"
+            ) from None
+        remote = self._remote(repo, tag, entry.label, complete=True, node=self.node)
+        if self._manifest_digest(repo, tag.tag) is not None:
+            return remote  # the tag is written last: everything is there
+        local = self.store.checkpoint_manifest(entry)
+        manifest = checkpoint_manifest(local, entry.metadata, entry.scope, self.node)
+        started = datetime.now(UTC)
+        self.client.push_blob(repo, EMPTY_DIGEST, len(EMPTY_CONFIG), _bytes(EMPTY_CONFIG))
+        marker = self.client.put_manifest(
+            repo,
+            tag.tag + PENDING_SUFFIX,
+            marker_manifest(entry.id, entry.scope, entry.label, self.node, started),
+            MEDIA_TYPE_MANIFEST,
+        )
+        blobs = manifest_blobs(parse_manifest(local, f"checkpoint {entry.id}: manifest"))
+        self._push_blobs(repo, entry, blobs, progress)
+        self.client.put_manifest(repo, tag.tag, manifest, MEDIA_TYPE_MANIFEST)
+        self._delete(repo, marker, quiet=True)
+        log.info(
+            "checkpoint pushed",
+            extra={"checkpoint": entry.id, "registry": self.client.host, "tag": tag.tag},
+        )
+        return remote
+
+    def _compacted(self, checkpoint_id: str) -> Entry:
+        entry = self.store.get(checkpoint_id)
+        if entry.damage is not None:
+            raise errors.DataLoss(f"checkpoint {entry.id} is damaged: {entry.damage}")
+        if entry.state == "compacted":
+            return entry
+        compacted = self.store.compact(checkpoint_id)
+        if compacted is None:
+            raise errors.NotFound(
+                f"checkpoint {checkpoint_id} was removed from {self.store.root} "
+                "(retention or prune) before it could be pushed"
+            )
+        return compacted
+
+    def _push_blobs(
+        self, repo: str, entry: Entry, blobs: Mapping[str, int], progress: Progress | None
+    ) -> None:
+        total = sum(blobs.values())
+        held: dict[str, int] = {}
+
+        def one(digest: str) -> None:
+            def update(n: int) -> None:
+                with self._lock:
+                    held[digest] = n
+                    done = sum(held.values())
+                if progress is not None:
+                    progress(done, total)
+
+            what = f"checkpoint {entry.id}: blob {digest}"
+            result = self.client.push_blob(
+                repo, digest, blobs[digest], self._source(digest, what), update
+            )
+            if result.existed:
+                update(blobs[digest])
+
+        order = sorted(blobs, key=lambda d: -blobs[d])
+        with ThreadPoolExecutor(UPLOAD_WORKERS, thread_name_prefix="cedana-push") as pool:
+            futures = [pool.submit(one, digest) for digest in order]
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+
+    def _source(self, digest: str, what: str) -> Callable[[int], IO[bytes]]:
+        def open_at(offset: int) -> IO[bytes]:
+            stream = self.store.open_blob(digest, what)
+            stream.seek(offset)
+            return stream
+
+        return open_at
+
+    # -- listing ------------------------------------------------------------------------
+
+    def candidates(self, scope: str, label: str) -> _Remotes:
+        """Complete checkpoints of (scope, label), newest first, from the tag list alone."""
+        repo = self.client.repository_for(scope)
+        part = encode_label(label)
+        tags = [t for t in self._tags(repo) if not t.pending and t.label_part == part]
+        return [self._remote(repo, t, label, complete=True) for t in _newest_first(tags)]
+
+    def in_flight(self, scope: str, label: str, *, max_age: float) -> _Remotes:
+        """Pushes of (scope, label) begun, not complete, newer than the newest complete
+        checkpoint and begun less than ``max_age`` seconds ago (a pusher that died is
+        forgotten after that), newest first."""
+        repo = self.client.repository_for(scope)
+        part = encode_label(label)
+        tags = [t for t in self._tags(repo) if t.label_part == part]
+        return self._in_flight(repo, tags, label, max_age)
+
+    def _in_flight(self, repo: str, tags: _Tags, label: str | None, max_age: float) -> _Remotes:
+        complete = {t.base for t in tags if not t.pending}
+        newest = max((t.created for t in tags if not t.pending), default=None)
+        found: _Remotes = []
+        now = datetime.now(UTC)
+        for tag in _newest_first(t for t in tags if t.pending and t.base not in complete):
+            if newest is not None and tag.created <= newest:
+                continue
+            where = f"registry {self.client.host}: {repo}:{tag.tag}"
+            try:
+                data, _, _ = self.client.get_manifest(repo, tag.tag)
+                marker = parse_marker(data, where, tag)
+            except errors.NotFound:
+                continue  # finished (or given up) meanwhile
+            except errors.DataLoss as err:
+                log.warning("skipping an in-flight marker: %s", err)
+                continue
+            if (now - marker.started).total_seconds() > max_age:
+                continue
+            name = label if label is not None else (tag.label or "")
+            found.append(self._remote(repo, tag, name, complete=False, node=marker.node))
+        return found
+
+    def list(self, scope: str | None = None) -> _Remotes:
+        """Checkpoints in the registry (and pushes in flight), newest first.
+
+        ``scope`` None: the namespaces this node's store has checkpoints of (a
+        registry need not say which repositories it has).
+        """
+        scopes = [scope] if scope is not None else sorted({e.scope for e in self.store.list()})
+        found: _Remotes = []
+        for name in scopes:
+            try:
+                repo = self.client.repository_for(name)
+            except errors.InvalidArgument:
+                if scope is not None:
+                    raise
+                continue  # not a Kubernetes namespace: never pushed
+            tags = self._tags(repo)
+            for tag in tags:
+                if not tag.pending:
+                    found.append(self._remote(repo, tag, self._label_of(repo, tag), complete=True))
+            found += self._in_flight(repo, tags, None, float("inf"))
+        return sorted(found, key=lambda r: (r.created, r.checkpoint_id), reverse=True)
+
+    def _label_of(self, repo: str, tag: CheckpointTag) -> str:
+        """The label a tag names: in the tag, or (hashed) in its manifest."""
+        if tag.label is not None:
+            return tag.label
+        try:
+            data, _, _ = self.client.get_manifest(repo, tag.tag)
+            found = parse_manifest(data, f"{repo}:{tag.tag}").annotations.get(ANN_LABEL, "")
+        except (errors.NotFound, errors.DataLoss):
+            return ""
+        return found if encode_label(found) == tag.label_part else ""
+
+    def fetch_metadata(self, remote: RemoteCheckpoint) -> Mapping[str, Any]:
+        """The checkpoint's config (its metadata), read and checked before any pull."""
+        _, manifest, ref = read_manifest(self.client, remote)
+        where = f"registry {self.client.host}: {remote.repository}:{remote.tag}"
+        config = manifest.config
+        check_sizes(manifest, where)
+        out = io.BytesIO()
+        self.client.pull_blob(remote.repository, config.digest, config.size, out, config.size)
+        return check_config(out.getvalue(), ref, where)
+
+    def pull(self, remote: RemoteCheckpoint, progress: Progress | None = None) -> Entry:
+        """The checkpoint in the local store, pulled unless it is there (see pull.py)."""
+        try:
+            return self.store.get(remote.checkpoint_id)
+        except errors.NotFound:
+            pass
+        return pull_into(self.store, self.client, remote, progress)
+
+    # -- prune --------------------------------------------------------------------------
+
+    def prune(self, scope: str, label: str, keep: int) -> _Ids:
+        """Delete all but the newest ``keep`` checkpoints of (scope, label) from the
+        registry, and the markers their tags superseded; returns the ids deleted.
+        [] when the registry refuses deletes (logged once)."""
+        if keep < 0:
+            raise errors.InvalidArgument(f"keep must be >= 0, got {keep}")
+        repo = self.client.repository_for(scope)
+        part = encode_label(label)
+        tags = [t for t in self._tags(repo) if t.label_part == part]
+        complete = _newest_first(t for t in tags if not t.pending)
+        bases = {t.base for t in complete}
+        markers = [t for t in tags if t.pending and t.base in bases]
+        removed: _Ids = []
+        for tag in [*complete[keep:], *markers]:
+            digest = self._manifest_digest(repo, tag.tag)
+            if digest is None:
+                continue
+            if not self._delete(repo, digest):
+                return []
+            if not tag.pending:
+                removed.append(tag.checkpoint_id)
+        return removed
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _tags(self, repo: str) -> _Tags:
+        """The repository's checkpoint tags and markers; others are skipped, with a warning."""
+        try:
+            names = list(self.client.list_tags(repo))
+        except errors.NotFound:
+            return []
+        parsed: _Tags = []
+        skipped: list[str] = []
+        for name in names:
+            tag = parse_tag(name)
+            if tag is None:
+                skipped.append(name)
+            else:
+                parsed.append(tag)
+        if skipped:
+            log.warning(
+                "registry %s: %s: skipped %d tag(s) that are not checkpoint tags (e.g. %s)",
+                self.client.host,
+                repo,
+                len(skipped),
+                ", ".join(repr(s) for s in skipped[:3]),
+            )
+        return parsed
+
+    def _manifest_digest(self, repo: str, ref: str) -> str | None:
+        try:
+            _, _, digest = self.client.get_manifest(repo, ref)
+        except errors.NotFound:
+            return None
+        return digest
+
+    def _delete(self, repo: str, digest: str, *, quiet: bool = False) -> bool:
+        """Delete a manifest; False (warned once) when the registry refuses deletes."""
+        try:
+            if self.client.delete_manifest(repo, digest):
+                return True
+        except errors.NotFound:
+            return True
+        except errors.ShimError as err:
+            if not quiet:
+                raise
+            log.warning("could not delete %s@%s: %s", repo, digest, err)
+            return False
+        with self._lock:
+            first, self._deletes_refused = not self._deletes_refused, True
+        if first:
+            log.warning(
+                "registry %s refuses deletes: superseded checkpoints and in-flight markers "
+                "stay there (enable deletes, or expire them with the registry's own tools)",
+                self.client.host,
+            )
+        return False
+
+    def _remote(
+        self, repo: str, tag: CheckpointTag, label: str, *, complete: bool, node: str = ""
+    ) -> RemoteCheckpoint:
+        return RemoteCheckpoint(
+            repository=repo,
+            tag=tag.base,
+            checkpoint_id=tag.checkpoint_id,
+            scope=repo.rsplit("/", 1)[-1],
+            label=label,
+            created=tag.created_text,
+            node=node,
+            complete=complete,
+            node_hash=tag.node_hash,
+        )
+
+
+def _bytes(data: bytes) -> Callable[[int], IO[bytes]]:
+    def open_at(offset: int) -> IO[bytes]:
+        stream = io.BytesIO(data)
+        stream.seek(offset)
+        return stream
+
+    return open_at

@@ -1,0 +1,341 @@
+"""Moving compacted checkpoints between stores: their blobs read out, and adopted in.
+
+Reading out (a push to a registry): :meth:`Adopter.checkpoint_manifest` and
+:meth:`Adopter.open_blob` hand out a checkpoint's manifest and blobs, each checked
+when read by whoever sends them.
+
+Adopting in (a pull): the caller opens an :class:`Adoption`, a locked staging dir
+``ingest/adopt-<id>-<hex>/`` (the ingest lock protocol: gc leaves it alone while its
+process lives, removes it once that process is gone), writes every blob of the
+checkpoint into it (``write_blob``: verified by the caller as it streams; sizes are
+checked here) or pins the store's own copy (``link_existing``: a chunk another
+checkpoint already holds, hard-linked and hashed), then calls :meth:`Adopter.adopt`
+with the manifest. Adopt checks the manifest and config as strictly as a read does
+(identity, layers, chunks against split files), then, holding ``index.lock``,
+renames the blobs into ``blobs/sha256``, the manifest last, and appends the
+checkpoint to index.json: the commit sequence of a compaction, so nothing partial
+is ever visible and a failure leaves the store as it was. Retention does not apply:
+an adopted checkpoint was asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Callable
+from typing import IO, BinaryIO, Final
+
+from cedana_shim import errors
+
+from . import fsutil
+from .catalog import Catalog, manifest_state
+from .compress import hash_fd
+from .ingest import create_locked_dir
+from .layout import (
+    ANN_CREATED,
+    ANN_ID,
+    ANN_LABEL,
+    ANN_SCOPE,
+    ANN_TITLE,
+    MAX_CONFIG_BYTES,
+    MAX_MANIFEST_BYTES,
+    MEDIA_TYPE_MANIFEST,
+    CheckpointRef,
+    Descriptor,
+    Manifest,
+    check_checkpoint_id,
+    is_digest,
+    match_split_files,
+    parse_checkpoint_ref,
+    parse_config,
+    parse_manifest,
+)
+from .model import Entry
+
+__all__ = ["Adopter", "Adoption", "manifest_blobs"]
+
+_PART: Final = ".part"
+_MANIFEST_NAME: Final = "manifest"
+
+
+def manifest_blobs(manifest: Manifest) -> dict[str, int]:
+    """Every blob a checkpoint manifest references (config, layers, chunks): digest -> size."""
+    blobs = {manifest.config.digest: manifest.config.size}
+    for layer in manifest.layers:
+        blobs[layer.digest] = layer.size
+    for chunks in manifest.chunks.values():
+        for chunk in chunks:
+            blobs[chunk.digest] = chunk.size
+    return blobs
+
+
+class Adoption:
+    """The staging dir of one checkpoint being adopted (see the module doc).
+
+    ``write_blob`` and ``link_existing`` may be called from several threads at once
+    (distinct digests). Close it (or leave its ``with`` block) when done: the staging
+    dir goes, whatever was or was not adopted.
+    """
+
+    def __init__(
+        self,
+        checkpoint_id: str,
+        path: str,
+        fds: tuple[int, int, int],  # (its directory, its lock, the store's blobs dir)
+        os_error: Callable[[OSError, str], errors.ShimError],
+        remove: Callable[[], None],
+    ) -> None:
+        self.checkpoint_id = checkpoint_id
+        self.path = path
+        self._dir_fd, self._lock_fd, self._blobs_fd = fds
+        self._os_error = os_error
+        self._remove = remove
+        self._staged: dict[str, int] = {}
+        self._mutex = threading.Lock()
+        self._closed = False
+        self._release = weakref.finalize(self, _close_all, *fds)
+
+    def __enter__(self) -> Adoption:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def staged(self) -> dict[str, int]:
+        """Blobs in the staging dir so far: digest -> size."""
+        with self._mutex:
+            return dict(self._staged)
+
+    def write_blob(self, digest: str, size: int, fill: Callable[[IO[bytes]], None]) -> None:
+        """Stage a blob: ``fill(file)`` writes its bytes (and checks their digest).
+
+        A file of another size than ``size`` is DataLoss; a full disk is
+        ResourceExhausted naming the store. Nothing is staged unless ``fill`` returns.
+        """
+        name = self._name(digest)
+        tmp = f"{name}{_PART}-{secrets.token_hex(4)}"
+        what = f"checkpoint {self.checkpoint_id}: blob {digest}"
+        try:
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                dir_fd=self._dir_fd,
+            )  # fmt: skip
+            try:
+                with os.fdopen(fd, "wb", closefd=False) as out:
+                    fill(out)
+                have = os.fstat(fd).st_size
+                if have != size:
+                    raise errors.DataLoss(f"{what}: {have} bytes staged, expected {size}")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except BaseException as err:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self._dir_fd)
+            if isinstance(err, OSError):
+                raise self._os_error(err, f"staging {what} in {self.path}") from err
+            raise
+        with self._mutex:
+            self._staged[digest] = size
+
+    def link_existing(self, digest: str, size: int) -> bool:
+        """Pin the store's own blob of ``digest`` into the staging dir, if it is intact.
+
+        True when the store has it with ``size`` bytes and that digest (hashed here:
+        a damaged copy is not adopted, the caller downloads the blob instead).
+        """
+        name = self._name(digest)
+        try:
+            os.link(name, name, src_dir_fd=self._blobs_fd, dst_dir_fd=self._dir_fd,
+                    follow_symlinks=False)  # fmt: skip
+        except FileExistsError:
+            return digest in self.staged
+        except OSError:
+            return False
+        try:
+            fd = fsutil.open_file(self._dir_fd, name, path=name)
+        except (OSError, errors.DataLoss):
+            intact = False
+        else:
+            try:
+                intact = os.fstat(fd).st_size == size and hash_fd(fd)[0] == digest
+            finally:
+                os.close(fd)
+        if not intact:
+            os.unlink(name, dir_fd=self._dir_fd)
+            return False
+        with self._mutex:
+            self._staged[digest] = size
+        return True
+
+    def read_staged(self, digest: str, limit: int) -> bytes:
+        """A small staged blob's bytes (a config), checked against its digest."""
+        name = self._name(digest)
+        path = os.path.join(self.path, name)
+        try:
+            data = fsutil.read_file_at(self._dir_fd, name, limit, path=path)
+        except FileNotFoundError:
+            raise errors.NotFound(f"{path} is not staged") from None
+        except fsutil.TooLarge as err:
+            raise errors.DataLoss(str(err)) from None
+        if fsutil.sha256_bytes(data) != digest:
+            raise errors.DataLoss(f"{path} does not hash to {digest}")
+        return data
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._remove()  # while locked: gc keeps its hands off
+        self._release()
+
+    def _name(self, digest: str) -> str:
+        if not is_digest(digest):
+            raise errors.InvalidArgument(f"{digest!r} is not sha256:<64 lowercase hex>")
+        return digest.removeprefix("sha256:")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.FailedPrecondition(
+                f"the adoption of checkpoint {self.checkpoint_id} was closed; begin a new one"
+            )
+
+
+def _close_all(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class Adopter(Catalog):
+    # -- reading out ---------------------------------------------------------------
+
+    def checkpoint_manifest(self, entry: Entry) -> bytes:
+        """The manifest of a loaded checkpoint, checked against its digest."""
+        return self._read_blob(
+            entry.manifest_digest, MAX_MANIFEST_BYTES, f"checkpoint {entry.id}: manifest"
+        )
+
+    def open_blob(self, digest: str, what: str) -> BinaryIO:
+        """A stream of a blob of the store (DataLoss naming ``what`` when it is missing)."""
+        if not is_digest(digest):
+            raise errors.InvalidArgument(f"{digest!r} is not sha256:<64 lowercase hex>")
+        return os.fdopen(self._open_blob(digest, what), "rb")
+
+    # -- adopting in -----------------------------------------------------------------
+
+    def begin_adoption(self, checkpoint_id: str) -> Adoption:
+        """A locked staging dir for the blobs of ``checkpoint_id`` (see the module doc)."""
+        if (why := check_checkpoint_id(checkpoint_id)) is not None:
+            raise errors.InvalidArgument(why)
+        try:
+            self._index_repaired()
+            with self._dir("ingest") as ingest_root:
+                name, dir_fd, lock_fd = create_locked_dir(
+                    ingest_root,
+                    lambda: f"adopt-{checkpoint_id}-{secrets.token_hex(4)}",
+                    {"adopting": checkpoint_id},
+                )
+            blobs_fd = fsutil.open_dir(self._root_fd, "blobs", path=self.root)
+            try:
+                sha = fsutil.open_dir(blobs_fd, "sha256", path=self._path("blobs"))
+            finally:
+                os.close(blobs_fd)
+        except OSError as err:
+            raise self._os_error(err, f"creating a staging directory in {self.root}") from err
+
+        def remove() -> None:
+            with contextlib.suppress(OSError), self._dir("ingest") as ingest_root:
+                fsutil.remove_entry(ingest_root, name)
+
+        return Adoption(
+            checkpoint_id,
+            self._path("ingest", name),
+            (dir_fd, lock_fd, sha),
+            self._os_error,
+            remove,
+        )
+
+    def adopt(self, adoption: Adoption, manifest: bytes) -> Entry:
+        """Commit a staged compacted checkpoint (see the module doc); returns its entry.
+
+        Idempotent: a checkpoint of that id already in the store is returned as it is
+        (whatever was staged).
+        """
+        adoption._check_open()
+        where = f"checkpoint {adoption.checkpoint_id}"
+        if len(manifest) > MAX_MANIFEST_BYTES:
+            raise errors.DataLoss(f"{where}: manifest over {MAX_MANIFEST_BYTES} bytes")
+        parsed = parse_manifest(manifest, f"{where}: manifest")
+        desc = Descriptor(
+            MEDIA_TYPE_MANIFEST,
+            fsutil.sha256_bytes(manifest),
+            len(manifest),
+            {k: parsed.annotations.get(k, "") for k in (ANN_ID, ANN_SCOPE, ANN_LABEL, ANN_CREATED)},
+        )
+        ref = parse_checkpoint_ref(desc, 0, f"{where}: manifest annotations")
+        if ref.id != adoption.checkpoint_id:
+            raise errors.DataLoss(f"{where}: the manifest is checkpoint {ref.id}'s")
+        for known in self._index_repaired().checkpoints:
+            if known.id == ref.id:
+                return self._load_entry(known)
+        self._check_adoptable(adoption, parsed, ref, where)
+        try:
+            fsutil.create_file_at(adoption._dir_fd, _MANIFEST_NAME, manifest)
+            with self._index_lock():
+                index = self._index_for_write()
+                for known in index.checkpoints:
+                    if known.id == ref.id:
+                        return self._load_entry(known)
+                placed: list[str] = []
+                committed = False
+                try:
+                    with self._blobs() as blobs:
+                        for digest in manifest_blobs(parsed):
+                            name = digest.removeprefix("sha256:")
+                            self._place(adoption._dir_fd, name, blobs, digest, placed)
+                        os.fsync(blobs)
+                        self._place(adoption._dir_fd, _MANIFEST_NAME, blobs, desc.digest, placed)
+                        os.fsync(blobs)
+                    new_index = self._replace_index(
+                        index, [*index.descriptors, desc], "adopt-index-temp-written"
+                    )
+                    committed = True
+                    adoption._staged.clear()  # moved into the store
+                    os.fsync(self._root_fd)
+                except BaseException:
+                    if not committed:
+                        self._unplace(placed)
+                    raise
+        except OSError as err:
+            raise self._os_error(err, f"adopting {where} into {self.root}") from err
+        position = len(new_index.descriptors) - 1
+        return self._load_entry(parse_checkpoint_ref(desc, position, "index.json"))
+
+    def _check_adoptable(
+        self, adoption: Adoption, manifest: Manifest, ref: CheckpointRef, where: str
+    ) -> None:
+        """DataLoss unless the staged checkpoint is whole and as strict a read accepts."""
+        if manifest_state(manifest, where) != "compacted":
+            raise errors.InvalidArgument(f"{where}: only a compacted checkpoint can be adopted")
+        staged = adoption.staged
+        for digest, size in manifest_blobs(manifest).items():
+            if staged.get(digest) != size:
+                have = "missing" if digest not in staged else f"{staged[digest]} bytes"
+                raise errors.DataLoss(f"{where}: blob {digest} ({size} bytes) is {have}")
+        cdesc = manifest.config
+        config = parse_config(
+            adoption.read_staged(cdesc.digest, MAX_CONFIG_BYTES),
+            f"{where}: config {cdesc.digest}",
+            ref,
+        )
+        got = [(d.annotations[ANN_TITLE], d.media_type, d.digest, d.size) for d in manifest.layers]
+        want = [(c.name, c.media_type, c.digest, c.size) for c in config.layers]
+        if got != want:
+            raise errors.DataLoss(f"{where}: manifest and config disagree about the layers")
+        for c in config.layers:
+            match_split_files(manifest.chunks.get(c.name, ()), c.split_files, f"{where}: {c.name}")

@@ -1,0 +1,64 @@
+"""The node agent's share of the registry: pushes a shim did not finish.
+
+A checkpoint committed on the node is recorded in the store's outbox before its
+push starts (see checkpoint.remote). The shim that took it pushes it; if that shim
+exits, is killed, or the registry is away meanwhile, the record stays. The node agent
+(`cedana node run`, the chart's helper pod) takes pending records up every round,
+each under its own lock, so a push is never lost and never made twice at once. It
+reads the node config the shims use, from the host root.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from dataclasses import replace
+
+from ..checkpoint.remote import Outbox, RemoteStore, sync
+from ..checkpoint.store import Store, StoreConfig
+from ..config import load_node_config
+from ..errors import ShimError
+from .hostfs import HostRoot
+
+log = logging.getLogger(__name__)
+
+
+def push_pending(host: HostRoot, shim_config: str) -> list[str]:
+    """Push what the node's outbox holds; the ids pushed. Never raises for a registry
+    or store problem (logged; the next round retries)."""
+    try:
+        config = load_node_config(host.path(shim_config), env={})
+    except ShimError as err:
+        log.warning("pending pushes: cannot read the node config: %s", err)
+        return []
+    if not config.registry:
+        return []
+    store_root = host.path(config.store_path)
+    if not os.path.isdir(os.path.join(store_root, "outbox")):
+        return []  # nothing was ever recorded on this node
+    # Paths in the node config are the host's; this process sees them under the root.
+    config = replace(
+        config,
+        store_path=store_root,
+        registry_auth_file=host.path(config.registry_auth_file)
+        if config.registry_auth_file
+        else "",
+        registry_ca=host.path(config.registry_ca) if config.registry_ca else "",
+    )
+    try:
+        store = Store(StoreConfig(root=store_root, chunk_size=config.chunk_size))
+        remote = RemoteStore.from_config(
+            store, config, os.environ.get("NODE_NAME") or platform.node()
+        )
+        if remote is None:
+            return []
+        result = sync(remote, Outbox(store_root))
+    except (ShimError, OSError) as err:
+        log.warning("pending pushes: %s", err)
+        return []
+    for checkpoint_id in result.pushed:
+        log.info("pushed pending checkpoint %s to %s", checkpoint_id, config.registry)
+    for checkpoint_id, why in result.failed:
+        log.warning("pending checkpoint %s not pushed yet: %s", checkpoint_id, why)
+    return result.pushed
