@@ -183,3 +183,23 @@ def test_namespaces_stay_apart_across_nodes(
     ):
         _stop(on_a, on_a.start("a"), events_a)
         started_cold(events_b, on_b.start("b"))
+
+
+def test_retention_applies_in_the_registry(
+    make_node: MakeNode, node_env: dict[str, str], new_id: NewId
+) -> None:
+    """retain = 1: after the second checkpoint of the label is pushed, the registry
+    holds only it (the first one's manifest deleted), as the node's store does."""
+    env = {**node_env, "CEDANA_RETAIN": "1"}
+    a = make_node(env)
+    label = unique_label("retain")
+    with (
+        EventStream(a.socket) as events,
+        Workloads(a, new_id, label=label, script=counter_script(), namespace=CTR_NAMESPACE) as w,
+    ):
+        first = _stop(w, w.start("a"), events)
+        second_box = w.start("b")
+        restored_from(events, second_box, first)
+        second = _stop(w, second_box, events)
+        assert _remote_ids(a, env, label) == [second]
+        assert [e.id for e in entries(a.store, label=label)] == [second]

@@ -172,10 +172,26 @@ class Pipeline:
         return ""
 
     def push_pending(self, ids: list[str] | None) -> SyncResult:
-        """Push ``ids`` (or every pending push) to the registry. Blocking."""
+        """Push ``ids`` (or every pending push) to the registry, then keep the newest
+        ``retain`` checkpoints of each label pushed there too. Blocking."""
         from .remote import sync
 
-        return sync(self.remote(), self.outbox(), only=ids)
+        remote = self.remote()
+        result = sync(remote, self.outbox(), only=ids)
+        labels = set()
+        for checkpoint_id in result.pushed:
+            with contextlib.suppress(ShimError, OSError):
+                entry = self.store.get(checkpoint_id)
+                labels.add((entry.scope, entry.label))
+        for scope, label in sorted(labels):
+            try:
+                remote.prune(scope, label, self.config.retain)
+            except (ShimError, OSError) as err:
+                log.warning(
+                    "cannot prune the registry",
+                    extra={"scope": scope, "label": label, "error": str(err)},
+                )
+        return result
 
     async def dump(self, target: Target, request: DumpRequest) -> Dump:
         """CRIU dump + rootfs diff into a staging area; the caller publishes or aborts."""
