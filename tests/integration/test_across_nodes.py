@@ -17,14 +17,22 @@ environment). A labelled counter checkpointed on A resumes on B, whose store is 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from cedana_shim.checkpoint.remote.manifest import EMPTY_CONFIG, EMPTY_DIGEST, marker_manifest
+from cedana_shim.checkpoint.remote.tags import PENDING_SUFFIX, tag_for
+from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_MANIFEST
+from cedana_shim.registry import RegistryClient
 
 from .conftest import MakeNode
 from .harness.config import CTR_NAMESPACE, SHIM_BIN_DIR
@@ -42,7 +50,16 @@ from .harness.cr_support import (
     unique_label,
     wait_ticks,
 )
-from .harness.registry import PASSWORD, USER, Registry, TlsFiles, make_test_ca, write_auth_file
+from .harness.registry import (
+    PASSWORD,
+    USER,
+    HungServer,
+    Registry,
+    TlsFiles,
+    make_test_ca,
+    write_auth_file,
+)
+from .harness.remote_support import registry_config
 
 NewId = Callable[[str], str]
 pytestmark = pytest.mark.ctrd_versions("1.6", "2.1")
@@ -203,3 +220,85 @@ def test_retention_applies_in_the_registry(
         second = _stop(w, second_box, events)
         assert _remote_ids(a, env, label) == [second]
         assert [e.id for e in entries(a.store, label=label)] == [second]
+
+
+def test_a_start_waits_for_a_push_still_in_flight(
+    make_node: MakeNode,
+    node_env: dict[str, str],
+    registry: Registry,
+    tls: TlsFiles,
+    tmp_path: Path,
+    new_id: NewId,
+) -> None:
+    """The newest checkpoint of the label is still being pushed by node A (its marker is
+    in the registry, its tag not yet) when the container starts on B: B waits for it
+    instead of starting cold, and resumes from it once the push lands."""
+    a, b = make_node(node_env), make_node(node_env)
+    label = unique_label("inflight")
+    script = counter_script()
+    with (
+        EventStream(a.socket) as events_a,
+        EventStream(b.socket) as events_b,
+        Workloads(a, new_id, label=label, script=script, namespace=CTR_NAMESPACE) as on_a,
+        Workloads(b, new_id, label=label, script=script, namespace=CTR_NAMESPACE) as on_b,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        first = on_a.start("a")
+        registry.stop(signal.SIGKILL)
+        checkpoint = _stop(on_a, first, events_a)  # committed on A, not pushed
+        before = first.ticks()
+        assert before is not None
+        registry.start()
+        # A's push has begun: the marker it writes before any blob.
+        entry = next(e for e in entries(a.store, label=label) if e.id == checkpoint)
+        client = RegistryClient(registry_config(registry, tls, tmp_path))
+        repo = client.repository_for(CTR_NAMESPACE)
+        node = str(entry.metadata["node"])
+        tag = tag_for(label, entry.created, entry.id, node)
+        client.push_blob(repo, EMPTY_DIGEST, len(EMPTY_CONFIG), lambda _: io.BytesIO(EMPTY_CONFIG))
+        started = datetime.now(UTC)
+        marker = marker_manifest(entry.id, CTR_NAMESPACE, label, node, started)
+        client.put_manifest(repo, tag.tag + PENDING_SUFFIX, marker, MEDIA_TYPE_MANIFEST)
+
+        log_b = ShimLog(b)
+        starting = pool.submit(on_b.start, "b")  # its Create waits for the push
+        waiting = log_b.wait("waiting for a checkpoint of the label being written", label=label)
+        assert any(checkpoint in w for w in waiting["writers"]), waiting
+        synced = _cli(a, node_env, "checkpoints", "sync", "--json")  # the push completes
+        assert synced.returncode == 0, synced.stderr
+        second = starting.result(timeout=120)
+        restored_from(events_b, second, checkpoint)
+        assert_continues(before, wait_ticks(second.lines, count=3), "restore after the wait")
+
+
+def test_a_hung_registry_does_not_wedge_a_start(
+    make_node: MakeNode, node_env: dict[str, str], new_id: NewId
+) -> None:
+    """The registry accepts connections and never answers: a container of the label
+    starts cold within a few registry timeouts, and says why."""
+    hung = HungServer()
+    try:
+        env = {
+            **node_env,
+            "CEDANA_REGISTRY": f"{hung.host}/{PREFIX}",
+            "CEDANA_REGISTRY_TIMEOUT": "2",
+        }
+        b = make_node(env)
+        with (
+            EventStream(b.socket) as events,
+            Workloads(
+                b,
+                new_id,
+                label=unique_label("hung"),
+                script=counter_script(),
+                namespace=CTR_NAMESPACE,
+            ) as w,
+        ):
+            began = time.monotonic()
+            box = w.start("b")
+            outcome = started_cold(events, box)
+            assert time.monotonic() - began < 30
+            assert "registry" in str(outcome.field("detail")), outcome
+            wait_ticks(box.lines, count=2)
+    finally:
+        hung.close()

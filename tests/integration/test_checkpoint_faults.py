@@ -256,8 +256,10 @@ def test_criu_killed_during_the_dump(fresh_containerd: Containerd, new_id: NewId
 
         hold.arm()
         tasks.kill(b.cid, signal.SIGTERM)
-        hold.wait_held()
-        kill_all(criu_pids(shim))
+        held = hold.wait_held()
+        # CRIU and the held script together: the script (CRIU's child) would keep
+        # CRIU's socket to runc open, and runc waiting, as long as it runs.
+        kill_all(criu_pids(shim) | {held})
 
         failed = events.wait_topic(TOPIC_FAILED, b.cid, timeout=30)
         assert "runc checkpoint failed" in str(failed.field("error")), failed

@@ -197,11 +197,7 @@ class CheckpointManager:
                 extra={"checkpoints": ids, "registry": pipeline.config.registry, "error": str(err)},
             )
             return
-        for checkpoint_id in result.pushed:
-            log.info(
-                "checkpoint pushed",
-                extra={"checkpoint": checkpoint_id, "registry": pipeline.config.registry},
-            )
+        # Each push logs itself ("checkpoint pushed", with its tag).
         for checkpoint_id, error in result.failed:
             log.warning(
                 "checkpoint push failed; it stays pending",

@@ -86,8 +86,12 @@ _CRIU_ANNOTATIONS: Final = (
 _MAX_ANNOTATION: Final = 1024
 
 
+def is_node_name(node: object) -> bool:
+    return isinstance(node, str) and _NODE_RE.fullmatch(node) is not None
+
+
 def check_node(node: str) -> str:
-    if not _NODE_RE.fullmatch(node):
+    if not is_node_name(node):
         raise errors.InvalidArgument(
             f"node name {node!r} is not a host name: it names who pushed a checkpoint"
         )

@@ -31,6 +31,7 @@ from .manifest import (
     EMPTY_DIGEST,
     check_node,
     checkpoint_manifest,
+    is_node_name,
     marker_manifest,
     parse_marker,
 )
@@ -91,25 +92,29 @@ class RemoteStore:
         was interrupted sends only what the registry lacks.
         """
         entry = self._compacted(checkpoint_id)
+        # The node that took it, whoever pushes (its shim, the node agent, the CLI):
+        # one checkpoint, one tag.
+        recorded = entry.metadata.get("node")
+        origin = recorded if isinstance(recorded, str) and is_node_name(recorded) else self.node
         try:
             repo = self.client.repository_for(entry.scope)
-            tag = tag_for(entry.label, entry.created, entry.id, self.node)
+            tag = tag_for(entry.label, entry.created, entry.id, origin)
         except errors.InvalidArgument as err:
             raise errors.InvalidArgument(
                 f"checkpoint {entry.id} ({entry.scope}/{entry.label}) cannot be pushed to "
                 f"registry {self.client.host}: {err}"
             ) from None
-        remote = self._remote(repo, tag, entry.label, complete=True, node=self.node)
+        remote = self._remote(repo, tag, entry.label, complete=True, node=origin)
         if self._manifest_digest(repo, tag.tag) is not None:
             return remote  # the tag is written last: everything is there
         local = self.store.checkpoint_manifest(entry)
-        manifest = checkpoint_manifest(local, entry.metadata, entry.scope, self.node)
+        manifest = checkpoint_manifest(local, entry.metadata, entry.scope, origin)
         started = datetime.now(UTC)
         self.client.push_blob(repo, EMPTY_DIGEST, len(EMPTY_CONFIG), _bytes(EMPTY_CONFIG))
         marker = self.client.put_manifest(
             repo,
             tag.tag + PENDING_SUFFIX,
-            marker_manifest(entry.id, entry.scope, entry.label, self.node, started),
+            marker_manifest(entry.id, entry.scope, entry.label, origin, started),
             MEDIA_TYPE_MANIFEST,
         )
         blobs = manifest_blobs(parse_manifest(local, f"checkpoint {entry.id}: manifest"))
