@@ -8,7 +8,10 @@ dump an inet socket on kernels >= 6.16).
 - host network (the restore keeps the IP): established client connections survive,
   the clients see no FIN at the stop and are served after the restore; the same for a
   server under load (hundreds of open connections, new ones arriving during the stop);
-- UDP and unix datagram sockets (syslogd forwarding to a receiver on the host).
+- UDP and unix datagram sockets (syslogd forwarding to a receiver on the host);
+- unix sockets to a server outside the container (fixtures/unix_ticker.c): a datagram
+  socket is restored; a stream connection cannot be checkpointed by CRIU, and the
+  container stops as it would without us, with CRIU's reason.
 
 Nothing here passes on a fallback branch: when CRIU or the kernel cannot dump a socket,
 the checkpoint fails and so does the test, with CRIU's reason. The pod variants (CNI,
@@ -20,15 +23,17 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 import threading
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from .harness.config import CTR_NAMESPACE
 from .harness.containerd import Containerd
-from .harness.cr_events import TOPIC_EXIT, EventStream
+from .harness.cr_events import TOPIC_EXIT, TOPIC_FAILED, EventStream
 from .harness.cr_support import (
     Box,
     ShimLog,
@@ -49,6 +54,7 @@ GET_COUNT = "wget -qO- http://127.0.0.1:8080/count"
 CLIENTS = 20
 # Open client connections of the load test: one httpd process each.
 LOAD_CONNECTIONS = 200
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def _exec(w: Workloads, box: Box, script: str) -> str:
@@ -246,6 +252,110 @@ def test_a_server_under_load_during_the_stop(containerd: Containerd, new_id: New
         with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
             conn.sendall(b"GET /count HTTP/1.0\r\n\r\n")
             assert _status(conn.recv(64)) == b"200", "a new connection"
+
+
+@pytest.fixture(scope="module")
+def unix_ticker(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """fixtures/unix_ticker.c, built static (the test image has only busybox)."""
+    out = tmp_path_factory.mktemp("ticker") / "unix_ticker"
+    subprocess.run(
+        ["gcc", "-static", "-O2", "-o", str(out), str(FIXTURES / "unix_ticker.c")], check=True
+    )
+    return out
+
+
+def _outside_mounts(ticker: Path, shared: Path) -> tuple[str, ...]:
+    """The ticker at /ticker, and the host's `shared` dir at the same path inside: CRIU
+    reconnects a socket to its peer by the name the peer bound, as the host sees it."""
+    return (
+        "--mount", f"type=bind,src={ticker},dst=/ticker,options=rbind:ro",
+        "--mount", f"type=bind,src={shared},dst={shared},options=rbind:rw",
+    )  # fmt: skip
+
+
+def _ticks(receiver: socket.socket, count: int) -> list[int]:
+    return [int(receiver.recv(64).split()[1]) for _ in range(count)]
+
+
+def test_a_datagram_socket_to_a_server_outside_is_restored(
+    containerd: Containerd, new_id: NewId, unix_ticker: Path, tmp_path: Path
+) -> None:
+    """A host-network process sending datagrams to a unix socket of the host,
+    bind-mounted into the container (as /dev/log often is): checkpointed
+    (ext-unix-sk), restored, it sends on to the same server, its count continued. (The
+    socket must be at the same path inside and outside: CRIU reconnects by the peer's
+    name. In a network namespace of its own CRIU cannot find the peer at all.)"""
+    c = containerd
+    shared = tmp_path / "ext"
+    shared.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
+        server.bind(str(shared / "log"))
+        server.settimeout(10)
+        script = counter_script(extra=f"/ticker dgram {shared}/log &\n")
+        flags = (*_outside_mounts(unix_ticker, shared), "--net-host")
+        with (
+            EventStream(c.socket) as events,
+            Workloads(
+                c, new_id, label=unique_label("unixdg"), script=script, namespace=CTR_NAMESPACE
+            ) as w,
+        ):
+            a = w.start("a", extra=flags)
+            wait_ticks(a.lines, count=3)
+            _ticks(server, 3)
+            w.ctr("task", "kill", "-s", "SIGTERM", a.cid)
+            committed = events.wait_commit(a.cid, timeout=60)
+            events.wait_topic(TOPIC_EXIT, a.cid, timeout=30, id=a.cid)
+            w.delete(a)
+            last = 0
+            with contextlib.suppress(TimeoutError):  # what was sent before the dump
+                server.settimeout(0.5)
+                while True:
+                    last = _ticks(server, 1)[0]
+            server.settimeout(10)
+
+            b = w.start("b", extra=flags)
+            restored_from(events, b, committed.checkpoint_id)
+            after = _ticks(server, 3)
+            assert after[0] > last and after == list(range(after[0], after[0] + 3)), (last, after)
+
+
+def test_a_stream_connection_to_a_server_outside_stops_the_container_as_without_us(
+    containerd: Containerd, new_id: NewId, unix_ticker: Path, tmp_path: Path
+) -> None:
+    """CRIU cannot checkpoint one half of a unix stream connection whose other half is
+    outside the container: the stop fails its checkpoint, says CRIU's reason, and the
+    application gets its SIGTERM (its trap runs): nothing is lost, nothing is committed."""
+    c = containerd
+    log = ShimLog(c)
+    shared = tmp_path / "ext"
+    shared.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(shared / "stream"))
+        server.listen(1)
+        script = counter_script(extra=f"/ticker stream {shared}/stream &\n")
+        with (
+            EventStream(c.socket) as events,
+            Workloads(
+                c, new_id, label=unique_label("unixst"), script=script, namespace=CTR_NAMESPACE
+            ) as w,
+        ):
+            a = w.start("a", extra=_outside_mounts(unix_ticker, shared))
+            conn, _ = server.accept()
+            with conn:
+                wait_ticks(a.lines, count=3)
+                w.ctr("task", "kill", "-s", "SIGTERM", a.cid)
+                failed = events.wait_topic(TOPIC_FAILED, a.cid, timeout=60)
+                exited = events.wait_topic(TOPIC_EXIT, a.cid, timeout=30, id=a.cid)
+                assert exited.field("exit_status") == 143, exited
+                assert "got-TERM" in a.lines()
+                why = log.wait("checkpoint on stop failed; stopping without it", container=a.cid)
+                assert why["error"] == failed.field("error")
+                criu = log.find("criu failed")
+                assert any(
+                    "Can't dump half of stream unix connection" in line
+                    for record in criu
+                    for line in record.get("criu_log_tail") or []
+                ), criu
 
 
 def _status(reply: bytes) -> bytes:
