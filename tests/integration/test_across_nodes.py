@@ -12,17 +12,23 @@ environment). A labelled counter checkpointed on A resumes on B, whose store is 
 - with the registry down during the stop, the checkpoint is committed on A, the exit
   is reported, the push stays pending in A's outbox, and `cedana checkpoints sync`
   pushes it once the registry is back; then B resumes from it;
-- namespaces stay apart across nodes: B in another namespace starts cold.
+- namespaces stay apart across nodes: B in another namespace starts cold;
+- a container starting on B while A's push is still in flight (its marker in the
+  registry) waits for it and resumes from it; a registry that never answers does not
+  wedge a start; retention applies in the registry;
+- the same move through the CRI: a pod deleted on A resumes in a new pod on B.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -37,7 +43,7 @@ from cedana_shim.registry import RegistryClient
 from .conftest import MakeNode
 from .harness.config import CTR_NAMESPACE, SHIM_BIN_DIR
 from .harness.containerd import Containerd
-from .harness.cr_events import TOPIC_EXIT, EventStream
+from .harness.cr_events import TOPIC_EXIT, TOPIC_RESTORE, EventStream
 from .harness.cr_support import (
     Box,
     ShimLog,
@@ -45,11 +51,13 @@ from .harness.cr_support import (
     assert_continues,
     counter_script,
     entries,
+    parse_ticks,
     restored_from,
     started_cold,
     unique_label,
     wait_ticks,
 )
+from .harness.cri_apps import start_app, stop_app
 from .harness.registry import (
     PASSWORD,
     USER,
@@ -302,3 +310,35 @@ def test_a_hung_registry_does_not_wedge_a_start(
             wait_ticks(box.lines, count=2)
     finally:
         hung.close()
+
+
+def test_a_pod_deleted_on_one_node_resumes_in_a_new_pod_on_another(
+    make_node: MakeNode, node_env: dict[str, str]
+) -> None:
+    """The same through the CRI, as kubelet drives it: a pod on A deleted (StopContainer
+    with a grace period, then the sandbox), a new pod of the namespace with the label on
+    B, a CNI network of its own there: it resumes, counting on."""
+    a, b = make_node(node_env), make_node(node_env)
+    label = unique_label("pod")
+    kns = f"ns-{uuid.uuid4().hex[:6]}"
+    cri_a, cri_b = a.cri(), b.cri()
+    try:
+        with (
+            EventStream(a.socket) as events_a,
+            EventStream(b.socket) as events_b,
+            contextlib.ExitStack() as stack,
+        ):
+            first = start_app(stack, a, cri_a, label=label, namespace=kns, host_network=False)
+            wait_ticks(first.stdout, count=3)
+            stop_app(cri_a, first)
+            committed = events_a.wait_commit(first.cid, timeout=60)
+            before = parse_ticks(first.stdout())
+            assert before is not None
+            second = start_app(stack, b, cri_b, label=label, namespace=kns, host_network=False)
+            outcome = events_b.wait_topic(TOPIC_RESTORE, second.cid, timeout=60)
+            assert outcome.field("outcome") == "restored", outcome
+            assert outcome.checkpoint_id == committed.checkpoint_id
+            assert_continues(before, wait_ticks(second.stdout, count=3), "a pod on another node")
+    finally:
+        cri_a.close()
+        cri_b.close()
