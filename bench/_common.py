@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -416,6 +416,27 @@ def private_containerd(
         raise RuntimeError(f"containerd (pid {instance.proc.pid}) lacks {MARKER_ENV}")
     store = Path(env.get("CEDANA_STORE_PATH", "/var/lib/cedana/checkpoints"))
     yield Bench(instance, images, root, store, marker, version)
+
+
+def another_node(
+    b: Bench, cleanup: Cleanup, namespaces: Sequence[str], env: Mapping[str, str]
+) -> Bench:
+    """One more containerd beside `b`'s (a second "node": its own root, checkpoint
+    store, shims and logs; the same test images and run marker), with `env` added to
+    its environment (node config keys as CEDANA_<KEY>), torn down by `cleanup`."""
+    from tests.integration.harness.config import CEDANA
+    from tests.integration.harness.containerd import make_containerd
+
+    instance = make_containerd(
+        b.version, CEDANA, b.images, b.root, tuple(namespaces), {**env, MARKER_ENV: b.marker}
+    )
+
+    def stop_containerd() -> None:
+        for note in instance.cleanup(keep_base=True):
+            print(f"[cleanup containerd {instance.base}] {note}", file=sys.stderr)
+
+    cleanup.push(f"containerd {instance.base} teardown", stop_containerd)
+    return Bench(instance, b.images, b.root, instance.store, b.marker, b.version)
 
 
 def detach_mounts_under(path: Path) -> None:

@@ -1,5 +1,5 @@
 /*
- * memhog: the workload of bench/checkpoint_restore.py, built there with
+ * memhog: the workload of bench/checkpoint_restore.py and bench/across_nodes.py, built with
  * `gcc -static -O2` and put into a one-file image.
  *
  * Allocates MIB mebibytes (argv[1], default 1024) and writes every page: the first
@@ -13,9 +13,15 @@
  * When the wall clock jumps by more than a second between two beats (the process
  * was frozen, dumped and restored), it re-reads the whole buffer and appends
  * "verify <beat> ok|BAD <checksum>\n" to /verify: proof that the memory came back.
+ *
+ * SIGUSR1 (bench/across_nodes.py) makes it rewrite one contiguous tenth of its buffer,
+ * starting at the middle, with fresh pages of the same shape, take the new checksum
+ * and append "rewrote <MiB> MiB at <MiB> checksum <checksum>\n" to /verify: the next
+ * checkpoint then differs from the last one in that region only.
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +39,26 @@ static uint64_t xorshift(uint64_t *s) {
     x ^= x >> 27;
     *s = x;
     return x * 0x2545F4914F6CDD1DULL;
+}
+
+static volatile sig_atomic_t rewrite_requested;
+
+static void on_sigusr1(int sig) {
+    (void)sig;
+    rewrite_requested = 1;
+}
+
+static void fill_pages(uint8_t *buf, size_t size, uint64_t *seed) {
+    static const char pattern[64] = "cedana-bench memhog: the compressible half of every page 0123\n";
+    for (size_t off = 0; off < size; off += PAGE) {
+        uint64_t *random_half = (uint64_t *)(buf + off);
+        for (size_t i = 0; i < PAGE / 2 / sizeof(uint64_t); i++) {
+            random_half[i] = xorshift(seed);
+        }
+        for (size_t i = PAGE / 2; i < PAGE; i += 64) {
+            memcpy(buf + off + i, pattern, 64);
+        }
+    }
 }
 
 static uint64_t checksum(const uint64_t *words, size_t n) {
@@ -76,22 +102,14 @@ int main(int argc, char **argv) {
     clock_gettime(CLOCK_REALTIME, &ts);
     uint64_t seed = (uint64_t)ts.tv_nsec * 0x9E3779B97F4A7C15ULL ^ (uint64_t)getpid() ^ 0xC0FFEE;
     uint64_t nonce = xorshift(&seed);
-    static const char pattern[64] = "cedana-bench memhog: the compressible half of every page 0123\n";
-    for (size_t off = 0; off < size; off += PAGE) {
-        uint64_t *random_half = (uint64_t *)(buf + off);
-        for (size_t i = 0; i < PAGE / 2 / sizeof(uint64_t); i++) {
-            random_half[i] = xorshift(&seed);
-        }
-        for (size_t i = PAGE / 2; i < PAGE; i += 64) {
-            memcpy(buf + off + i, pattern, 64);
-        }
-    }
+    fill_pages(buf, size, &seed);
     uint64_t sum = checksum((const uint64_t *)buf, size / sizeof(uint64_t));
 
     char line[160];
     snprintf(line, sizeof line, "filled %zu MiB checksum %016llx nonce %016llx\n", mib,
              (unsigned long long)sum, (unsigned long long)nonce);
     write_file("/verify", NULL, line, 1);
+    signal(SIGUSR1, on_sigusr1);
 
     double last = now_s();
     for (unsigned long long beat = 1;; beat++) {
@@ -100,6 +118,16 @@ int main(int argc, char **argv) {
             uint64_t again = checksum((const uint64_t *)buf, size / sizeof(uint64_t));
             snprintf(line, sizeof line, "verify %llu %s %016llx after %.1fs gap\n", beat,
                      again == sum ? "ok" : "BAD", (unsigned long long)again, t - last);
+            write_file("/verify", NULL, line, 1);
+        }
+        if (rewrite_requested) {
+            rewrite_requested = 0;
+            size_t start = size / 2 / PAGE * PAGE;
+            size_t length = (size / 10 + PAGE - 1) / PAGE * PAGE;
+            fill_pages(buf + start, length, &seed);
+            sum = checksum((const uint64_t *)buf, size / sizeof(uint64_t));
+            snprintf(line, sizeof line, "rewrote %zu MiB at %zu MiB checksum %016llx\n",
+                     length >> 20, start >> 20, (unsigned long long)sum);
             write_file("/verify", NULL, line, 1);
         }
         last = now_s();

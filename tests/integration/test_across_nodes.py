@@ -35,6 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from cedana_shim.checkpoint.remote import Outbox
 from cedana_shim.checkpoint.remote.manifest import EMPTY_CONFIG, EMPTY_DIGEST, marker_manifest
 from cedana_shim.checkpoint.remote.tags import PENDING_SUFFIX, tag_for
 from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_MANIFEST
@@ -68,6 +69,7 @@ from .harness.registry import (
     write_auth_file,
 )
 from .harness.remote_support import registry_config
+from .harness.util import wait_for
 
 NewId = Callable[[str], str]
 pytestmark = pytest.mark.ctrd_versions("1.6", "2.1")
@@ -342,3 +344,36 @@ def test_a_pod_deleted_on_one_node_resumes_in_a_new_pod_on_another(
     finally:
         cri_a.close()
         cri_b.close()
+
+
+def test_the_exit_waits_for_a_push_another_process_holds(
+    make_node: MakeNode, node_env: dict[str, str], new_id: NewId
+) -> None:
+    """registry_sync = before-exit while another process (the node agent, a sweep, the
+    CLI) holds the checkpoint's outbox record: the exit is not reported while it does;
+    let go unpushed, the stop pushes it itself, and the exit follows with the tag there.
+    Before: the stop's own push found the record busy and the exit went out at once."""
+    a = make_node(node_env)
+    label = unique_label("held")
+    with (
+        EventStream(a.socket) as events,
+        Workloads(
+            a,
+            new_id,
+            label=label,
+            script=counter_script(mem_kib=4 * MEM_KIB),
+            namespace=CTR_NAMESPACE,
+        ) as w,
+    ):
+        box = w.start("a")
+        wait_ticks(box.lines, count=3)
+        outbox = Outbox(str(a.store))
+        w.ctr("task", "kill", "-s", "SIGTERM", box.cid)
+        pending = wait_for(outbox.pending, timeout=60, interval=0.002, what="the outbox record")
+        with outbox.claimed(pending[0]) as held:
+            assert held is True, "the shim claimed the record before the test (compaction done?)"
+            time.sleep(3)
+            assert not events.of(TOPIC_EXIT, box.cid), "exit reported while the push was held"
+        exited = events.wait_topic(TOPIC_EXIT, box.cid, timeout=60, id=box.cid)
+        assert exited.field("exit_status") == 143, exited
+        assert _remote_ids(a, node_env, label) == pending

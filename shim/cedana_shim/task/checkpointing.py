@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 LEFTOVERS_DELAY = 5.0  # seconds after a daemon first uses a store
+PUSH_POLL = 0.2  # seconds between looks at a push another process is making
 TargetFn = Callable[[], Target]
 
 
@@ -338,26 +340,38 @@ class Checkpointing:
         return entry
 
     async def _wait_for_push(self, entry: Entry) -> None:
-        """registry_sync = before-exit: the exit waits for the push (a spot node's disk
-        goes with it), until a SIGKILL (the end of the grace period) or
-        checkpoint_timeout; the push goes on in the background either way."""
-        push = self._after_commit
-        if push is None or push.done():
-            return
+        """registry_sync = before-exit: the exit waits until the checkpoint is in the
+        registry (a spot node's disk goes with the node), or a SIGKILL (the end of the
+        grace period), or checkpoint_timeout; the push goes on in the background then.
+        Whoever pushes it counts: another process (the leftovers sweep, the node agent,
+        `cedana checkpoints sync`) may hold its outbox record; the wait follows it and
+        pushes itself once the record is let go unpushed."""
+        deadline = time.monotonic() + self.config.checkpoint_timeout
         hurry = asyncio.get_running_loop().create_task(self._hurry.wait())
         try:
-            await asyncio.wait(
-                {push, hurry},
-                timeout=self.config.checkpoint_timeout,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
+            push = self._after_commit
+            if push is not None and not push.done():
+                await asyncio.wait(
+                    {push, hurry},
+                    timeout=deadline - time.monotonic(),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            while not hurry.done() and time.monotonic() < deadline:
+                try:
+                    if entry.id not in await asyncio.to_thread(self.pipeline.outbox().pending):
+                        return  # pushed
+                    result = await asyncio.to_thread(self.pipeline.push_pending, [entry.id])
+                except (ShimError, OSError):
+                    break  # logged by the push; the record stays for a later one
+                if entry.id not in result.busy:
+                    return  # pushed, or failed (and logged): the exit goes on
+                await asyncio.wait({hurry}, timeout=PUSH_POLL)
         finally:
             hurry.cancel()
-        if not push.done():
-            log.warning(
-                "exit reported before the checkpoint reached the registry; the push goes on",
-                extra={"container": self.container_id, "checkpoint": entry.id},
-            )
+        log.warning(
+            "exit reported before the checkpoint reached the registry; the push goes on",
+            extra={"container": self.container_id, "checkpoint": entry.id},
+        )
 
     async def _silence_connections(self, current: Target) -> None:
         """The kill must not close the checkpointed TCP connections for their peers

@@ -1,0 +1,701 @@
+"""Checkpoints across nodes through an OCI registry: what the registry costs, side by
+side with the same node keeping its checkpoints to itself.
+
+    python bench/across_nodes.py [--runs 5] [--warmup 1] [--mem-mib 1024]
+                                 [--containerd 1.6|1.7|2.1] [--out results.json] [--keep]
+
+Three containerds of this run share the host ("nodes": separate roots, stores, shims
+and logs, the same disk): L without `registry`, A and B with `registry` set to one
+real registry on loopback (Debian's docker-registry with TLS from a throwaway CA and
+htpasswd auth, as tests/integration/test_across_nodes.py runs it), `registry_sync =
+before-exit`. The workload is bench/memhog.c with N MiB of touched memory (see
+bench/checkpoint_restore.py for the image). Each run, under a label of its own, with
+`sync` and a pause before every timed step and the order of the two sides of (a) and
+of (b) swapped in odd runs:
+
+(a) stop: `ctr task kill -s SIGTERM` until containerd reports the exit (Tasks.Wait,
+    in flight before the kill). On A the exit comes after the push, so that is
+    SIGTERM -> manifest visible; the tag list is read right at the exit to confirm
+    the checkpoint's tag is there. On L: SIGTERM -> local commit. The shim's own log
+    splits it up (runc checkpoint, committed, compacted, pushed).
+(b) restore: `ctr run -d` of a new container of the label until it returns RUNNING,
+    on B (an empty store: the checkpoint is pulled, verified, then restored) and on A
+    (from its own store); both checked to have resumed (same nonce, heartbeat going
+    on, memory checksum ok, RSS back).
+(c) push throughput: stored bytes of the checkpoint / the push (from the shim's log:
+    compacted -> pushed); pull throughput: the size / seconds B's shim logs for the
+    pull. The memory of the shim daemon serving the container on A (the container's
+    parent): VmRSS before the kill against VmHWM at the exit (reset at the kill via
+    /proc/PID/clear_refs) for the whole stop, and the highest VmRSS sampled every
+    10 ms between its "compacted" and "pushed" log lines for the push alone.
+(d) the container restored on A rewrites one contiguous tenth of its memory
+    (memhog's SIGUSR1) and is stopped again: bytes the registry's storage grew by in
+    that second push / in the first one, and which blobs were new (from the two
+    manifests in the registry).
+
+No stop comes within LEFTOVERS_DELAY (+1.5 s) of its container's Create: the daemon's
+leftovers sweep would race the stop's push (see Node.after_leftovers_sweep).
+
+Longer than the ~500 lines a module aims at: one benchmark reads best as one file
+(setup, probes, the run, the figures), as checkpoint_restore.py does, whose workload,
+image and probes it imports rather than copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    Bench,
+    Cleanup,
+    Report,
+    Summary,
+    another_node,
+    base_parser,
+    ensure_venv,
+    install_signal_handlers,
+    load_average,
+    print_table,
+    private_containerd,
+    ratio,
+    require_root,
+    summarize,
+    verdict,
+)
+
+ensure_venv()
+
+from cedana_shim.checkpoint.remote.tags import parse_tag  # noqa: E402
+from cedana_shim.registry import RegistryClient, RegistryConfig  # noqa: E402
+from cedana_shim.task.checkpointing import LEFTOVERS_DELAY  # noqa: E402
+from checkpoint_restore import (  # noqa: E402
+    CEDANA_CLI,
+    MIB,
+    NAMESPACE,
+    RESTORE_GAP,
+    BenchFailure,
+    CedanaSide,
+    TaskWaiter,
+    build_image,
+    build_memhog,
+    check_resumed,
+    du_bytes,
+    read_beat,
+    read_verify,
+    run,
+    wait_filled,
+    wait_until,
+)
+
+from tests.integration.harness.registry import (  # noqa: E402
+    PASSWORD,
+    USER,
+    Registry,
+    make_test_ca,
+    write_auth_file,
+)
+
+TIME_TARGET = 1.5  # (a) and (b): registry side / local side
+MEMORY_TARGET_MIB = 64.0
+DELTA_TARGET = 0.15
+PREFIX = "cedana"
+MB = 1e6  # throughput in MB/s, as registries and networks count
+
+
+# -- the registry ----------------------------------------------------------------------
+
+
+@dataclass
+class Remote:
+    registry: Registry
+    client: RegistryClient
+
+    @property
+    def repo(self) -> str:
+        return self.client.repository_for(NAMESPACE)
+
+    def complete_tags(self) -> dict[str, str]:
+        """Checkpoint id -> its tag, for every complete (not in-flight) one."""
+        tags = ((t, parse_tag(t)) for t in self.client.list_tags(self.repo))
+        return {p.checkpoint_id: t for t, p in tags if p is not None and not p.pending}
+
+    def layers(self, checkpoint_id: str) -> dict[str, tuple[str, int]]:
+        """A pushed checkpoint's blobs, from its manifest in the registry: digest ->
+        (what it is: a layer's title, or a chunk's "<file>@<offset MiB>", size)."""
+        tag = self.complete_tags()[checkpoint_id]
+        manifest = json.loads(self.client.get_manifest(self.repo, tag)[0])
+        blobs = {manifest["config"]["digest"]: ("config", int(manifest["config"]["size"]))}
+        for layer in manifest["layers"]:
+            notes = layer.get("annotations") or {}
+            what = str(notes.get("org.opencontainers.image.title", "?"))
+            if "cedana.ai/chunk.file" in notes:
+                offset = int(notes["cedana.ai/chunk.offset"]) // MIB
+                what = f"{notes['cedana.ai/chunk.file']}@{offset}MiB"
+            blobs[layer["digest"]] = (what, int(layer["size"]))
+        return blobs
+
+    def stored_bytes(self) -> int:
+        """What the registry stores (blobs and manifests), from its filesystem driver."""
+        return du_bytes(self.registry.storage / "docker" / "registry" / "v2" / "blobs")
+
+
+def start_registry(root: Path, cleanup: Cleanup) -> tuple[Remote, dict[str, str]]:
+    """The registry, and the node config (CEDANA_<KEY>) that points a node at it."""
+    tls = make_test_ca(root / "tls")
+    registry = Registry(root / "registry", tls=tls)
+    registry.start()
+    cleanup.push("stop the registry", registry.stop)
+    auth = write_auth_file(root / "registry-auth.json", registry.host, USER, PASSWORD)
+    env = {
+        "CEDANA_REGISTRY": f"{registry.host}/{PREFIX}",
+        "CEDANA_REGISTRY_AUTH_FILE": str(auth),
+        "CEDANA_REGISTRY_CA": str(tls.ca_cert),
+        "CEDANA_REGISTRY_SYNC": "before-exit",
+    }
+    config = RegistryConfig(
+        registry=env["CEDANA_REGISTRY"], auth_file=str(auth), ca_file=str(tls.ca_cert)
+    )
+    return Remote(registry, RegistryClient(config)), env
+
+
+# -- probes --------------------------------------------------------------------------------
+
+
+def status_kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1])
+    raise BenchFailure(f"/proc/{pid}/status has no {key}")
+
+
+def parent_pid(pid: int) -> int:
+    return status_kib(pid, "PPid")
+
+
+@dataclass
+class ShimMemory:
+    """The RSS of a shim daemon across a stop: before the kill, sampled every 10 ms,
+    and its peak (VmHWM, reset at the kill)."""
+
+    pid: int
+    rss_before_kib: int = 0
+    hwm_kib: int = 0
+    samples: list[tuple[float, int]] = field(default_factory=list)  # (wall time, KiB)
+    _done: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.rss_before_kib = status_kib(self.pid, "VmRSS")
+        Path(f"/proc/{self.pid}/clear_refs").write_text("5\n")  # VmHWM := VmRSS
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.01):
+            with contextlib.suppress(OSError, BenchFailure):
+                self.samples.append((time.time(), status_kib(self.pid, "VmRSS")))
+
+    def stop(self) -> None:
+        self.hwm_kib = status_kib(self.pid, "VmHWM")
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def timeline(self, t0_wall: float, step: float = 0.1) -> list[tuple[float, float]]:
+        """(seconds after the kill, highest VmRSS in MiB) per `step` seconds."""
+        buckets: dict[int, int] = {}
+        for when, kib in self.samples:
+            key = int((when - t0_wall) / step)
+            buckets[key] = max(kib, buckets.get(key, 0))
+        return [(round(k * step, 2), round(v / 1024, 1)) for k, v in sorted(buckets.items())]
+
+    def peak_between(self, start: float, end: float) -> int | None:
+        inside = [kib for when, kib in self.samples if start <= when <= end]
+        return max(inside) if inside else None
+
+
+def shim_log_offset(node: Bench) -> int:
+    path: Path = node.containerd.shim_log_file
+    return path.stat().st_size if path.exists() else 0
+
+
+def shim_log_records(node: Bench, offset: int) -> list[dict[str, Any]]:
+    """The JSON lines the node's shims wrote to their log file (node config log_file:
+    it has what follows a task's deletion too) since `offset`."""
+    path: Path = node.containerd.shim_log_file
+    with path.open("rb") as f:
+        if f.seek(0, os.SEEK_END) < offset:
+            raise BenchFailure(f"{path} was rotated during the run: make it bigger")
+        f.seek(offset)
+        lines = f.read().decode(errors="replace").splitlines()
+    records = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(line))
+    return records
+
+
+def shim_steps(records: list[dict[str, Any]], ids: set[str], t0_wall: float) -> list[str]:
+    """The shim's own records about a container or checkpoint in `ids`, as
+    "<seconds after t0> <message>": where the time went."""
+    return [
+        f"{seconds_after(r, t0_wall):.3f} {r.get('msg')}"
+        for r in records
+        if str(r.get("logger", "")).startswith("cedana_shim")
+        and ids & {r.get("container"), r.get("container_id"), r.get("checkpoint")}
+    ]
+
+
+def seconds_after(record: dict[str, Any], t0_wall: float) -> float:
+    return round(datetime.fromisoformat(str(record["time"])).timestamp() - t0_wall, 3)
+
+
+def stop_timeline(records: list[dict[str, Any]], cid: str, t0_wall: float) -> dict[str, Any]:
+    """The checkpoint a stop committed and its steps, in seconds after the kill."""
+    committed = [
+        r for r in records if r.get("msg") == "checkpoint committed" and r.get("container") == cid
+    ]
+    if len(committed) != 1:
+        raise BenchFailure(f"{len(committed)} 'checkpoint committed' log lines for {cid}")
+    checkpoint = str(committed[0]["checkpoint"])
+    out: dict[str, Any] = {
+        "checkpoint": checkpoint,
+        "raw_bytes": committed[0].get("size"),
+        "committed_after_s": seconds_after(committed[0], t0_wall),
+    }
+    for rec in records:
+        if rec.get("runc_verb") == "checkpoint" and rec.get("container_id") == cid:
+            out["runc_checkpoint_s"] = round(float(rec["duration_s"]), 3)
+        elif rec.get("checkpoint") == checkpoint and rec.get("msg") in (
+            "checkpoint compacted",
+            "checkpoint pushed",
+        ):
+            key = f"{str(rec['msg']).split()[1]}_after_s"
+            out.setdefault(key, seconds_after(rec, t0_wall))  # pushed: logged twice
+            if rec["msg"] == "checkpoint compacted":
+                out["stored_bytes"] = int(rec["size"])
+    return out
+
+
+def settle(gap: float = 0.5) -> None:
+    """What earlier steps left dirty is written back before the next timed step."""
+    t0 = time.monotonic()
+    os.sync()
+    time.sleep(max(0.0, gap - (time.monotonic() - t0)))
+
+
+# -- one node ----------------------------------------------------------------------------
+
+
+@dataclass
+class Node:
+    name: str
+    bench: Bench
+    side: CedanaSide
+    remote: Remote | None = None
+    created: dict[str, float] = field(default_factory=dict)  # container -> monotonic
+
+    def start(self, cid: str, label: str) -> tuple[float, int, dict[str, float | None]]:
+        self.created[cid] = time.monotonic()
+        started: tuple[float, int, dict[str, float | None]] = self.side.start(cid, label)
+        return started
+
+    def start_filled(self, cid: str, label: str) -> int:
+        _, pid, _ = self.start(cid, label)
+        wait_filled(pid, f"{self.name}: container {cid}")
+        return pid
+
+    def after_leftovers_sweep(self, cid: str) -> None:
+        """A shim daemon looks for leftovers of dead daemons (compactions, pushes)
+        LEFTOVERS_DELAY after its Create. A stop while that sweep runs reports the exit
+        before the push is done (the sweep holds the outbox record's claim, so the
+        stop's own push returns at once: see bench/README.md); every stop waits it out."""
+        time.sleep(max(0.0, self.created[cid] + LEFTOVERS_DELAY + 1.5 - time.monotonic()))
+
+    def timed_stop(self, cid: str, pid: int) -> dict[str, Any]:
+        """SIGTERM until the exit is reported; waits for the compaction afterwards, so
+        that it does not run into the next timed step."""
+        self.after_leftovers_sweep(cid)
+        memory = ShimMemory(parent_pid(pid))
+        stored_before = self.remote.stored_bytes() if self.remote else 0
+        offset = shim_log_offset(self.bench)
+        load_before = load_average()
+        with TaskWaiter(self.bench.containerd.socket, NAMESPACE, cid) as waiter:
+            time.sleep(0.3)
+            if waiter.done():
+                raise BenchFailure(f"{self.name}: Tasks.Wait {cid} returned before the kill")
+            kill = self.side.ctr.argv("task", "kill", "-s", "SIGTERM", cid)
+            memory.start()
+            t0_wall, t0 = time.time(), time.perf_counter()
+            subprocess.run(kill, stdin=subprocess.DEVNULL, capture_output=True, check=True)
+            exit_status = waiter.result(timeout=900)
+            seconds = time.perf_counter() - t0
+            at_exit = set(self.remote.complete_tags()) if self.remote else set()
+            memory.stop()
+        load_after = load_average()
+        if exit_status != 128 + signal.SIGTERM:
+            raise BenchFailure(f"{self.name}: {cid} exited with {exit_status}")
+        last_step = "pushed_after_s" if self.remote else "compacted_after_s"
+        steps = wait_until(
+            f"{self.name}: the checkpoint of {cid} {last_step.split('_')[0]}",
+            lambda: (
+                (s := stop_timeline(shim_log_records(self.bench, offset), cid, t0_wall))
+                and last_step in s
+                and s
+            ),
+            300,
+            interval=0.05,
+        )
+        out = {
+            "seconds": seconds,
+            "load_before": load_before,
+            "load_after": load_after,
+            **steps,
+            "shim_rss_before_mib": memory.rss_before_kib / 1024,
+            "shim_rss_timeline_mib": memory.timeline(t0_wall),
+            "shim_steps": shim_steps(
+                shim_log_records(self.bench, offset), {cid, steps["checkpoint"]}, t0_wall
+            ),
+            "shim_peak_growth_mib": (memory.hwm_kib - memory.rss_before_kib) / 1024,
+        }
+        if self.remote is not None:
+            out["tag_at_exit"] = steps["checkpoint"] in at_exit
+            out["uploaded_bytes"] = self.remote.stored_bytes() - stored_before
+            out["push_s"] = steps["pushed_after_s"] - steps["compacted_after_s"]
+        # The highest VmRSS sampled in each step (dump, compaction, push).
+        bounds = [0.0] + [steps.get(f"{k}_after_s") for k in ("committed", "compacted", "pushed")]
+        for name, start, end in zip(
+            ("dump", "compact", "push"), bounds[:-1], bounds[1:], strict=True
+        ):
+            if start is not None and end is not None:
+                peak = memory.peak_between(t0_wall + start, t0_wall + end)
+                if peak is not None:
+                    out[f"shim_{name}_growth_mib"] = (peak - memory.rss_before_kib) / 1024
+        return out
+
+    def timed_restore(self, cid: str, label: str, before: Any, mib: int) -> dict[str, Any]:
+        offset = shim_log_offset(self.bench)
+        load_before = load_average()
+        t0_wall = time.time()
+        seconds, pid, breakdown = self.start(cid, label)
+        load_after = load_average()
+        checked = check_resumed(pid, before, mib, f"{self.name}: container {cid}")
+        out = {
+            "seconds": seconds,
+            "pid": pid,
+            "load_before": load_before,
+            "load_after": load_after,
+            **breakdown,
+            **checked,
+        }
+        records = shim_log_records(self.bench, offset)
+        out["shim_steps"] = shim_steps(records, {cid}, t0_wall)
+        for rec in records:
+            if (
+                rec.get("msg") == "pulled checkpoint from the registry"
+                and rec.get("container") == cid
+            ):
+                out["pulled_bytes"] = int(rec["size"])
+                out["pull_s"] = float(rec["seconds"])
+        return out
+
+    def forget(self, label: str) -> None:
+        """Remove this node's checkpoints of `label` (not the registry's): the next
+        run starts from an empty store, and the page cache is not filled with them."""
+        store = str(self.bench.store)
+        listing = run(
+            [str(CEDANA_CLI), "--store", store, "checkpoints", "list", "-l", label, "--json"]
+        )
+        for entry in json.loads(listing):
+            run([str(CEDANA_CLI), "--store", store, "checkpoints", "rm", entry["id"]])
+
+
+# -- one run ------------------------------------------------------------------------------
+
+
+def rewrite_tenth(pid: int, what: str) -> str:
+    """memhog's SIGUSR1: one contiguous tenth of its memory rewritten."""
+    os.kill(pid, signal.SIGUSR1)
+
+    def rewritten() -> str | None:
+        lines = [x for x in read_verify(pid) if x.startswith("rewrote ")]
+        return lines[-1] if lines else None
+
+    line: str = wait_until(f"{what} to rewrite a tenth of its memory", rewritten, 60)
+    return line
+
+
+def one_run(i: int, local: Node, a: Node, b: Node, mib: int) -> dict[str, Any]:
+    label = f"bench-xn-{a.bench.marker[:8]}-{i}"
+    swap = i % 2 == 1
+    out: dict[str, Any] = {"label": label, "first": "local" if swap else "registry"}
+    before: dict[str, Any] = {}
+
+    def stop_on_a() -> None:
+        pid = a.start_filled(f"xn-{i}-a", label)
+        settle()
+        before["a"] = read_beat(pid)
+        out["stop_registry"] = a.timed_stop(f"xn-{i}-a", pid)
+        a.side.ctr.remove(f"xn-{i}-a")
+
+    def stop_on_local() -> None:
+        cid, local_label = f"xn-{i}-l", f"{label}-local"
+        pid = local.start_filled(cid, local_label)
+        settle()
+        out["stop_local"] = local.timed_stop(cid, pid)
+        local.side.ctr.remove(cid)
+        local.forget(local_label)
+
+    for step in (stop_on_local, stop_on_a) if swap else (stop_on_a, stop_on_local):
+        step()
+
+    def restore_on_a() -> None:
+        settle(RESTORE_GAP)
+        out["restore_local"] = a.timed_restore(f"xn-{i}-ra", label, before["a"], mib)
+
+    def restore_on_b() -> None:
+        settle(RESTORE_GAP)
+        out["restore_pulled"] = b.timed_restore(f"xn-{i}-rb", label, before["a"], mib)
+        b.side.ctr.remove(f"xn-{i}-rb")
+        b.forget(label)
+
+    for step in (restore_on_b, restore_on_a) if swap else (restore_on_a, restore_on_b):
+        step()
+
+    # (d): the container restored on A changes a tenth of its memory and stops again.
+    pid = int(out["restore_local"].pop("pid"))
+    out["restore_pulled"].pop("pid")
+    out["rewrote"] = rewrite_tenth(pid, f"A: container xn-{i}-ra")
+    wait_until("a heartbeat after the rewrite", lambda: read_beat(pid), 10)
+    settle()
+    out["stop_after_rewrite"] = a.timed_stop(f"xn-{i}-ra", pid)
+    a.side.ctr.remove(f"xn-{i}-ra")
+    a.forget(label)
+    first = out["stop_registry"]["uploaded_bytes"]
+    out["delta_ratio"] = ratio(out["stop_after_rewrite"]["uploaded_bytes"], first)
+    assert a.remote is not None
+    before_blobs = a.remote.layers(out["stop_registry"]["checkpoint"])
+    after_blobs = a.remote.layers(out["stop_after_rewrite"]["checkpoint"])
+    out["new_blobs"] = {
+        what: size for digest, (what, size) in after_blobs.items() if digest not in before_blobs
+    }
+    return out
+
+
+# -- figures -------------------------------------------------------------------------------
+
+STOPS_WITH_PUSH = ("stop_registry", "stop_after_rewrite")
+SIDES = ("stop_registry", "stop_local", "restore_pulled", "restore_local")
+
+
+def figures(runs: list[dict[str, Any]]) -> dict[str, Summary]:
+    def col(side: str, key: str, scale: float = 1.0) -> Summary:
+        return summarize([float(v) / scale for r in runs if (v := r[side].get(key)) is not None])
+
+    def over_pushes(key: str) -> Summary:
+        return summarize(
+            [float(r[s][key]) for r in runs for s in STOPS_WITH_PUSH if r[s].get(key) is not None]
+        )
+
+    out = {
+        f"{side}.{key}": col(side, key)
+        for side in SIDES
+        for key in (
+            "seconds", "runc_checkpoint_s", "committed_after_s", "compacted_after_s",
+            "pushed_after_s", "pull_s", "shim_created_after_s", "shim_runc_restore_s",
+        )
+    }  # fmt: skip
+    for side in SIDES:
+        for when in ("load_before", "load_after"):
+            out[f"{side}.{when}"] = summarize([float(r[side][when][0]) for r in runs])
+    first = [r["stop_registry"] for r in runs]
+    pulls = [r["restore_pulled"] for r in runs]
+    out |= {
+        "push_mb_s": summarize([p["stored_bytes"] / MB / p["push_s"] for p in first]),
+        "pull_mb_s": summarize([p["pulled_bytes"] / MB / p["pull_s"] for p in pulls]),
+        "stored_mib": summarize([p["stored_bytes"] / MIB for p in first]),
+        "shim_growth_stop_mib": over_pushes("shim_peak_growth_mib"),
+        "shim_growth_dump_mib": over_pushes("shim_dump_growth_mib"),
+        "shim_growth_compact_mib": over_pushes("shim_compact_growth_mib"),
+        "shim_growth_push_mib": over_pushes("shim_push_growth_mib"),
+        "tag_at_exit": summarize(
+            [float(r[s]["tag_at_exit"]) for r in runs for s in STOPS_WITH_PUSH]
+        ),
+        "new_chunks": summarize([sum("@" in w for w in r["new_blobs"]) for r in runs]),
+        "uploaded_first_mib": col("stop_registry", "uploaded_bytes", MIB),
+        "uploaded_second_mib": col("stop_after_rewrite", "uploaded_bytes", MIB),
+        "delta_ratio": summarize([float(r["delta_ratio"]) for r in runs]),
+    }
+    return out
+
+
+def cell(s: Summary, unit: str = "s", digits: int = 2) -> str:
+    if not s.n:
+        return "n/a"
+    f = f".{digits}f"
+    return f"{s.median:{f}}{unit} ({s.min:{f}}-{s.max:{f}}, sd {s.stdev:{f}})"
+
+
+def load_cell(f: dict[str, Summary], side: str) -> str:
+    before, after = f[f"{side}.load_before"], f[f"{side}.load_after"]
+    return f"{before.median:.2f} -> {after.median:.2f} (max {max(before.max, after.max):.2f})"
+
+
+def print_figures(f: dict[str, Summary], verdicts: dict[str, tuple[float, float]]) -> None:
+    def judged(key: str) -> list[str]:
+        value, target = verdicts[key]
+        return [f"{value:.3g}", f"<= {target:g}: {verdict(value, target)}"]
+
+    def steps(key: str, note: str, local: str = "stop_local") -> list[str]:
+        return [cell(f[f"stop_registry.{key}"]), cell(f[f"{local}.{key}"]), "", note, ""]
+
+    rows = [
+        ["(a) SIGTERM -> exit: A (registry) / L",
+         cell(f["stop_registry.seconds"]), cell(f["stop_local.seconds"]), *judged("a"),
+         load_cell(f, "stop_registry")],
+        ["    L's load", "", "", "", "", load_cell(f, "stop_local")],
+        ["    runc checkpoint", *steps("runc_checkpoint_s", "(shim log)")],
+        ["    committed", *steps("committed_after_s", "(after the kill)")],
+        ["    compacted", *steps("compacted_after_s", "(L: after its exit)")],
+        ["    pushed", *steps("pushed_after_s", "(tag there at the exit: "
+         f"{f['tag_at_exit'].mean * f['tag_at_exit'].n:.0f}/{f['tag_at_exit'].n} stops)")],
+        ["(b) create -> running: B (pull) / A",
+         cell(f["restore_pulled.seconds"]), cell(f["restore_local.seconds"]), *judged("b"),
+         load_cell(f, "restore_pulled")],
+        ["    A's load", "", "", "", "", load_cell(f, "restore_local")],
+        ["    of which the pull", cell(f["restore_pulled.pull_s"]), "", "", "(B's shim log)", ""],
+        ["    shim Create done", cell(f["restore_pulled.shim_created_after_s"]),
+         cell(f["restore_local.shim_created_after_s"]), "", "(after ctr run)", ""],
+        ["    runc restore", cell(f["restore_pulled.shim_runc_restore_s"]),
+         cell(f["restore_local.shim_runc_restore_s"]), "", "(shim log)", ""],
+        ["(c) push, MB/s of stored bytes", cell(f["push_mb_s"], "", 0),
+         cell(f["stored_mib"], " MiB", 0), "", "(compacted -> pushed; stored)", ""],
+        ["    pull, MB/s", cell(f["pull_mb_s"], "", 0), "", "", "(B's shim log)", ""],
+        ["    shim RSS growth in the push", cell(f["shim_growth_push_mib"], " MiB", 1), "",
+         *judged("c"), ""],
+        ["    shim RSS growth, whole stop", cell(f["shim_growth_stop_mib"], " MiB", 1), "", "",
+         "(VmHWM, reset at the kill)", ""],
+        *(
+            [f"      highest VmRSS in the {step}",
+             cell(f[f"shim_growth_{step}_mib"], " MiB", 1), "", "", "(sampled every 10 ms)", ""]
+            for step in ("dump", "compact")
+        ),
+        ["(d) uploaded: 2nd / 1st checkpoint", cell(f["delta_ratio"], "", 3), "", *judged("d"), ""],
+        ["    uploaded MiB: 1st / 2nd", cell(f["uploaded_first_mib"], "", 0),
+         cell(f["uploaded_second_mib"], "", 0), "", "", ""],
+        ["    new page-image chunks in the 2nd", cell(f["new_chunks"], "", 0), "", "",
+         "(per run: see its line)", ""],
+    ]  # fmt: skip
+    print_table(["measure", "registry side", "local side", "ratio", "target", "load 1m"], rows)
+
+
+def main() -> int:
+    parser = base_parser(__doc__ or "", default_runs=5)
+    parser.add_argument("--mem-mib", type=int, default=1024, help="memory the workload fills")
+    parser.add_argument("--warmup", type=int, default=1, help="discarded runs first (default 1)")
+    args = parser.parse_args()
+    if args.runs < 1 or args.mem_mib < 1 or args.warmup < 0:
+        parser.error("--runs and --mem-mib must be >= 1, --warmup >= 0")
+    require_root()
+    install_signal_handlers()
+    report = Report(
+        "across_nodes",
+        {
+            "runs": args.runs,
+            "warmup_runs": args.warmup,
+            "mem_mib": args.mem_mib,
+            "containerd": args.containerd,
+            "registry": "docker-registry (distribution 2.8) on 127.0.0.1, TLS, htpasswd",
+            "registry_sync": "before-exit",
+            "order": "per run: (a) on A and on L, (b) on A and on B, swapped in odd runs; "
+            "then (d) on A; `sync` and a pause before each timed step",
+        },
+    )
+    runs: list[dict[str, Any]] = []
+    cleanup = Cleanup()
+    try:
+        with private_containerd(args.containerd, cleanup, (NAMESPACE,), keep=args.keep) as base:
+            remote, env = start_registry(base.root, cleanup)
+            nodes = {"L": base}
+            nodes |= {name: another_node(base, cleanup, (NAMESPACE,), env) for name in "AB"}
+            archive, _ = build_image(base.root, build_memhog(base.root), args.mem_mib)
+            made = {}
+            for name, bench in nodes.items():
+                ctr = bench.containerd.ctr(NAMESPACE)
+                ctr("images", "import", str(archive), timeout=120)
+                node_remote = remote if name != "L" else None
+                made[name] = Node(name, bench, CedanaSide(bench, ctr, cleanup), node_remote)
+            report.params["containerd_full"] = base.version.full
+            report.params["stores"] = {n: str(x.store) for n, x in nodes.items()}
+            report.params["registry_storage"] = str(remote.registry.storage)
+            total = args.warmup + args.runs
+            for i in range(total):
+                r = one_run(i, made["L"], made["A"], made["B"], args.mem_mib)
+                warm = i >= args.warmup
+                if warm:
+                    runs.append(r)
+                print(
+                    f"run {i + 1}/{total}{'' if warm else ' (warm-up, discarded)'}: "
+                    f"stop A {r['stop_registry']['seconds']:.2f}s / L "
+                    f"{r['stop_local']['seconds']:.2f}s; restore B "
+                    f"{r['restore_pulled']['seconds']:.2f}s / A "
+                    f"{r['restore_local']['seconds']:.2f}s; uploaded "
+                    f"{r['stop_registry']['uploaded_bytes'] / MIB:.0f} MiB then "
+                    f"{r['stop_after_rewrite']['uploaded_bytes'] / MIB:.0f} MiB; new blobs "
+                    + ", ".join(f"{w} ({n / MIB:.1f} MiB)" for w, n in r["new_blobs"].items()),
+                    flush=True,
+                )
+    finally:
+        cleanup.run()
+
+    f = figures(runs)
+    verdicts = {
+        "a": (
+            ratio(f["stop_registry.seconds"].median, f["stop_local.seconds"].median),
+            TIME_TARGET,
+        ),
+        "b": (
+            ratio(f["restore_pulled.seconds"].median, f["restore_local.seconds"].median),
+            TIME_TARGET,
+        ),
+        "c": (f["shim_growth_push_mib"].max, MEMORY_TARGET_MIB),
+        "d": (f["delta_ratio"].median, DELTA_TARGET),
+    }
+    print(
+        f"\n{args.mem_mib} MiB workload, containerd {args.containerd}, {args.runs} runs "
+        "(median (min-max, sd))"
+    )
+    print_figures(f, verdicts)
+    report.results = {
+        "unit": "seconds; MiB; MB/s (10^6 bytes); load: 1-minute load average",
+        "figures": {k: v.as_dict() for k, v in f.items()},
+        "verdicts": {
+            k: {"value": round(v, 4), "target": t, "meets_target": v <= t}
+            for k, (v, t) in verdicts.items()
+        },
+        "runs": runs,
+    }
+    report.notes.append(
+        "memory target judged on the push: the highest VmRSS sampled (every 10 ms) "
+        "between the shim's 'checkpoint compacted' and 'checkpoint pushed' log lines, "
+        "highest of all pushes; the whole stop's peak (VmHWM reset at the kill) is "
+        "reported beside it, and the compaction's sampled peak"
+    )
+    report.write(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
