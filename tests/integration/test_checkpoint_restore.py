@@ -17,8 +17,10 @@ import contextlib
 import ipaddress
 import json
 import os
+import re
 import signal
 import socket
+import subprocess
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -52,7 +54,7 @@ from .harness.cr_support import (
     wait_ticks,
 )
 from .harness.cri import CriClient, Pod
-from .harness.cri_apps import ENV_LABEL, cri_stdout, start_app, stop_app
+from .harness.cri_apps import ENV_LABEL, App, cri_stdout, start_app, stop_app
 from .harness.ctr import Ctr
 from .harness.util import wait_for
 
@@ -61,6 +63,7 @@ ENV_INTERVAL = "CEDANA_CHECKPOINT_INTERVAL"
 # Generous: a checkpoint of this workload takes well under a second here; the limits
 # only bound a hang.
 COMMIT_TIMEOUT = 60
+MANY_PAIRS = 1500  # connections the many-sockets process holds to itself
 # -- CRI ----------------------------------------------------------------------------------
 
 
@@ -638,6 +641,62 @@ def test_tcp_connection_survives_a_restart_in_the_same_pod(
                 what="the server's words after the restore to reach the restored client",
             )
             assert len(server.peers) == 1, server.peers  # no reconnection
+
+
+@pytest.fixture(scope="module")
+def many_sockets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """fixtures/many_sockets.c, built static (the test image has only busybox)."""
+    out = tmp_path_factory.mktemp("many") / "many_sockets"
+    source = Path(__file__).parent / "fixtures" / "many_sockets.c"
+    subprocess.run(["gcc", "-static", "-O2", "-o", str(out), str(source)], check=True)
+    return out
+
+
+@pytest.mark.ctrd_versions("1.6", "2.1")
+def test_a_process_with_thousands_of_sockets_moves_to_a_new_pod(
+    containerd: Containerd, cri: CriClient, many_sockets: Path
+) -> None:
+    """One process holding 3001 TCP sockets (1500 connections to itself on 127.0.0.1,
+    and the listener), exchanging data on all of them: checkpointed on pod deletion,
+    restored in a new pod (a new network namespace), every connection still carries
+    data and its count goes on."""
+    label = f"many-{uuid.uuid4().hex[:8]}"
+    kns = f"ns-{uuid.uuid4().hex[:6]}"
+    envs = {ENV_LABEL: label}
+    command = ["/many_sockets", str(MANY_PAIRS)]
+    mounts = [(str(many_sockets), "/many_sockets")]
+    with EventStream(containerd.socket) as events, contextlib.ExitStack() as stack:
+
+        def start() -> App:
+            log_dir = containerd.pod_logs / uuid.uuid4().hex[:12]
+            pod = stack.enter_context(cri.pod("many", log_dir, host_network=False, namespace=kns))
+            cid = cri.create_container(
+                pod, "app", containerd.images.busybox, command, envs=envs, mounts=mounts
+            )
+            cri.start_container(cid)
+            return App(pod, cid, log_dir / "app.log")
+
+        def counts(app: App) -> list[tuple[int, int]]:
+            found = [re.fullmatch(r"pairs (\d+) ok (\d+)", line) for line in app.stdout()]
+            return [(int(m.group(1)), int(m.group(2))) for m in found if m]
+
+        first = start()
+        wait_for(lambda: len(counts(first)) >= 3, timeout=60, what="the sockets to be up")
+        assert all(ok == MANY_PAIRS for _, ok in counts(first)), counts(first)[-3:]
+        stop_app(cri, first)
+        ckpt = events.wait_commit(first.cid, timeout=COMMIT_TIMEOUT)
+        last = counts(first)[-1][0]
+
+        second = start()
+        restored_from_cri = events.wait_topic(TOPIC_RESTORE, second.cid, timeout=120)
+        assert restored_from_cri.checkpoint_id == ckpt.checkpoint_id, restored_from_cri
+        after = wait_for(
+            lambda: counts(second)[:3] if len(counts(second)) >= 3 else None,
+            timeout=60,
+            what="the restored process's rounds",
+        )
+        assert after[0][0] == last + 1, (last, after)
+        assert all(ok == MANY_PAIRS for _, ok in after), after
 
 
 # -- who never takes part ------------------------------------------------------------------

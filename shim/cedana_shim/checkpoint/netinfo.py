@@ -127,6 +127,16 @@ def same_addresses(before: Any, after: Any) -> bool:
     return bool(old) and old == pod_addresses(after)
 
 
+def tcp_can_live(before: Any, after: Any) -> bool:
+    """Whether the checkpoint's TCP connections can be restored as they were: the pod
+    kept its addresses, or none of them leaves the container (connections over
+    loopback between its own processes live wherever it lands)."""
+    if same_addresses(before, after):
+        return True
+    tcp = before.get("tcp") if isinstance(before, dict) else None
+    return isinstance(tcp, dict) and tcp.get("external") == 0
+
+
 def joined_network_facts(spec: Mapping[str, Any]) -> NetworkFacts | dict[str, Any]:
     """The facts of the network namespace a new container joins: the one its spec
     names (a pod's), or the host's (this process's) when the spec has no network

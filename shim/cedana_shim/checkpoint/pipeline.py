@@ -37,6 +37,7 @@ from ..hooks import HookRunner, HookState, Stage
 from ..runtime.mount import Mount
 from ..runtime.reaper import Reaper
 from ..runtime.runc import CheckpointOpts, Runc
+from ..runtime.tcp_repair import tcp_summary
 from . import criu_config
 from .gpu_steps import GpuDump, GpuSteps
 from .layers import (
@@ -354,6 +355,8 @@ class Pipeline:
         facts = asyncio.ensure_future(
             asyncio.to_thread(network_facts, f"/proc/{target.pid}/ns/net")
         )
+        # Read while the container is frozen for the dump: the connections CRIU saves.
+        tcp = asyncio.ensure_future(asyncio.to_thread(tcp_summary, target.pid))
         versions = await self.versions.get(target.runc)
         try:
             network: Any = await facts
@@ -362,6 +365,9 @@ class Pipeline:
                 "no network facts", extra={"container": target.container_id, "error": str(err)}
             )
             network = {}
+        # Unreadable: the restore then takes every connection as leaving the container.
+        with contextlib.suppress(OSError):
+            network = {**network, "tcp": await tcp}
         return {"versions": versions, "network": network}
 
 

@@ -42,7 +42,7 @@ from . import criu_config
 from .compat import incompatible
 from .gpu_steps import GpuSteps
 from .layers import CRIU_LAYER, ROOTFS_LAYER, SHM_LAYER, shm_source
-from .netinfo import same_addresses
+from .netinfo import tcp_can_live
 from .policy import Policy
 from .rootfs_diff import apply, apply_dir
 from .store import Entry, Store
@@ -371,7 +371,7 @@ class RestoreSession:
             entry,
             image_dir,
             os.path.join(work, "criu-work"),
-            keep_tcp=same_addresses(entry.metadata.get("network"), network),
+            keep_tcp=tcp_can_live(entry.metadata.get("network"), network),
             gpu_device_map=device_map,
             raw=raw is not None,
         )

@@ -29,9 +29,10 @@ _SYS_PIDFD_GETFD = 438  # the same number on every architecture (unified table)
 _NOT_CONNECTED = frozenset({"0A", "07"})
 
 
-def connected_tcp_inodes(pid: int) -> set[int]:
-    """Socket inodes of the TCP connections in ``pid``'s network namespace."""
-    inodes: set[int] = set()
+def _connections(pid: int) -> list[tuple[int, bytes]]:
+    """(inode, local address bytes) of the TCP connections in ``pid``'s network
+    namespace (/proc/<pid>/net/tcp{,6}; listeners and closed sockets left out)."""
+    found: list[tuple[int, bytes]] = []
     for table in ("tcp", "tcp6"):
         try:
             with open(f"/proc/{pid}/net/{table}") as f:
@@ -41,9 +42,35 @@ def connected_tcp_inodes(pid: int) -> set[int]:
         for line in lines:
             fields = line.split()
             if len(fields) > 9 and fields[3] not in _NOT_CONNECTED and fields[9].isdigit():
-                inodes.add(int(fields[9]))
-    inodes.discard(0)
-    return inodes
+                found.append((int(fields[9]), _address(fields[1].split(":")[0])))
+    return [(inode, local) for inode, local in found if inode]
+
+
+def _address(hex_address: str) -> bytes:
+    """The kernel prints each 32-bit word of an address in host (little-endian) order."""
+    raw = bytes.fromhex(hex_address)
+    return b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+
+
+def connected_tcp_inodes(pid: int) -> set[int]:
+    """Socket inodes of the TCP connections in ``pid``'s network namespace."""
+    return {inode for inode, _ in _connections(pid)}
+
+
+def tcp_summary(pid: int) -> dict[str, int]:
+    """How many TCP connections ``pid``'s network namespace holds, and how many of them
+    leave it (a local address other than loopback): connections within the container
+    can be restored whatever address its new pod gets."""
+    connections = _connections(pid)
+    external = sum(1 for _, local in connections if not _loopback(local))
+    return {"connections": len(connections), "external": external}
+
+
+def _loopback(address: bytes) -> bool:
+    v4 = address[12:] if address[:12] == b"\0" * 10 + b"\xff\xff" else address
+    if len(v4) == 4:
+        return v4[0] == 127
+    return address == b"\0" * 15 + b"\x01"
 
 
 def _socket_fds(pid: int, wanted: set[int]) -> list[tuple[int, int]]:

@@ -133,13 +133,19 @@ class CriClient:
         command: Sequence[str],
         args: Sequence[str] = (),
         envs: dict[str, str] | None = None,
+        mounts: Sequence[tuple[str, str]] = (),
     ) -> str:
+        """`mounts`: (host path, container path) read-only binds."""
         config = cri.ContainerConfig(
             metadata=cri.ContainerMetadata(name=name, attempt=0),
             image=cri.ImageSpec(image=image),
             command=list(command),
             args=list(args),
             envs=[cri.KeyValue(key=k, value=v) for k, v in (envs or {}).items()],
+            mounts=[
+                cri.Mount(host_path=host, container_path=inside, readonly=True)
+                for host, inside in mounts
+            ],
             log_path=f"{name}.log",
             # As kubelet does: the pod's namespace options (a pid namespace of the
             # container's own unless the pod shares one).
