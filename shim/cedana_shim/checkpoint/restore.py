@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 RESTORE_DIR = "cedana-restore"
 IN_FLIGHT_POLL = 0.1  # seconds between looks at checkpoints still being written
+REMOTE_IN_FLIGHT_POLL = 1.0  # the same, for pushes in flight in the registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,14 +238,19 @@ class RestoreSession:
         deadline = time.monotonic() + self.config.label_wait_timeout
         started = time.monotonic()
         announced = False
+        next_remote = started
+        remote_writers: list[str] = []
         while True:
             try:
                 writers = await asyncio.to_thread(self.store.in_flight, scope, label)
             except (ShimError, OSError):
                 writers = []
             here = self._writing_here(scope, label)
-            if not writers and not here:
-                writers = await self._pushes_in_flight(scope, label)
+            if not writers and not here and time.monotonic() >= next_remote:
+                # The registry is asked once a second, the local store every poll.
+                remote_writers = await self._pushes_in_flight(scope, label)
+                next_remote = time.monotonic() + REMOTE_IN_FLIGHT_POLL
+            writers = writers or remote_writers
             if not writers and not here:
                 break
             if not announced:
@@ -290,8 +296,10 @@ class RestoreSession:
 
     async def _prepare_next(self, host: RestoreHost) -> Plan | None:
         network: Any = None
-        here = await host.tool_versions()
+        here: Mapping[str, str] = {}
         while self._remaining:
+            if not here:
+                here = await host.tool_versions()
             candidate = self._remaining.pop(0)
             if isinstance(candidate, Entry):
                 entry = candidate
