@@ -52,7 +52,7 @@ class NodeConfig:
     log_file: str = "/var/log/cedana/shim.log"
     # Raw bytes per compressed piece of a CRIU page image in the store (each its own
     # blob, shared between checkpoints that hold the same bytes); 0: one blob per layer.
-    chunk_size: int = 32 << 20
+    chunk_size: int = 8 << 20
     # The checkpoint store shared across nodes: an OCI registry, "host[:port]/prefix"
     # (one repository per namespace under it); "" keeps checkpoints on this node only.
     registry: str = ""

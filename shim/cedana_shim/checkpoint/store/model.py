@@ -69,7 +69,7 @@ class StoreConfig:
     # Compaction splits a criu layer's page images into chunks of this many raw
     # bytes, each its own zstd blob (shared by checkpoints that hold the same
     # bytes); 0 = one blob for the whole layer, as before chunks existed.
-    chunk_size: int = 32 << 20
+    chunk_size: int = 8 << 20
 
 
 @dataclass(frozen=True)
