@@ -31,6 +31,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -133,83 +134,97 @@ def _remote_ids(node: Containerd, env: dict[str, str], label: str) -> list[str]:
     return [item["id"] for item in json.loads(done.stdout)]
 
 
-def test_a_checkpoint_taken_on_one_node_resumes_on_another(
-    make_node: MakeNode, node_env: dict[str, str], new_id: NewId
-) -> None:
-    a, b = make_node(node_env), make_node(node_env)
-    label = unique_label("move")
-    script = counter_script(mem_kib=MEM_KIB)
+@dataclass
+class Nodes:
+    """Node A and node B, each with its event stream and its labelled workloads."""
+
+    a: Containerd
+    b: Containerd
+    events_a: EventStream
+    events_b: EventStream
+    on_a: Workloads
+    on_b: Workloads
+
+
+@contextlib.contextmanager
+def two_nodes(
+    make_node: MakeNode,
+    env: dict[str, str],
+    new_id: NewId,
+    label: str,
+    script: str,
+    namespace_b: str = CTR_NAMESPACE,
+) -> Iterator[Nodes]:
+    a, b = make_node(env), make_node(env)
+    if namespace_b != CTR_NAMESPACE:
+        b.import_images(namespace_b)
     with (
         EventStream(a.socket) as events_a,
         EventStream(b.socket) as events_b,
         Workloads(a, new_id, label=label, script=script, namespace=CTR_NAMESPACE) as on_a,
-        Workloads(b, new_id, label=label, script=script, namespace=CTR_NAMESPACE) as on_b,
+        Workloads(b, new_id, label=label, script=script, namespace=namespace_b) as on_b,
     ):
-        first = on_a.start("a")
-        checkpoint = _stop(on_a, first, events_a)
+        yield Nodes(a, b, events_a, events_b, on_a, on_b)
+
+
+def test_a_checkpoint_taken_on_one_node_resumes_on_another(
+    make_node: MakeNode, node_env: dict[str, str], new_id: NewId
+) -> None:
+    label = unique_label("move")
+    script = counter_script(mem_kib=MEM_KIB)
+    with two_nodes(make_node, node_env, new_id, label, script) as n:
+        first = n.on_a.start("a")
+        checkpoint = _stop(n.on_a, first, n.events_a)
         before = first.ticks()
         assert before is not None
         # before-exit: in the registry by the time the exit was reported
-        assert _remote_ids(a, node_env, label) == [checkpoint]
+        assert _remote_ids(n.a, node_env, label) == [checkpoint]
 
-        assert not entries(b.store)  # B has nothing of its own
-        log_b = ShimLog(b)
-        second = on_b.start("b")
-        restored_from(events_b, second, checkpoint)
+        assert not entries(n.b.store)  # B has nothing of its own
+        log_b = ShimLog(n.b)
+        second = n.on_b.start("b")
+        restored_from(n.events_b, second, checkpoint)
         assert_continues(before, wait_ticks(second.lines, count=3), "restore on another node")
         pulled = log_b.wait("pulled checkpoint from the registry", checkpoint=checkpoint)
         assert pulled["container"] == second.cid
-        assert [e.id for e in entries(b.store, label=label)] == [checkpoint]
+        assert [e.id for e in entries(n.b.store, label=label)] == [checkpoint]
 
 
 def test_a_push_the_registry_missed_is_made_later(
     make_node: MakeNode, node_env: dict[str, str], registry: Registry, new_id: NewId
 ) -> None:
-    a, b = make_node(node_env), make_node(node_env)
     label = unique_label("later")
     script = counter_script(mem_kib=MEM_KIB)
-    with (
-        EventStream(a.socket) as events_a,
-        EventStream(b.socket) as events_b,
-        Workloads(a, new_id, label=label, script=script, namespace=CTR_NAMESPACE) as on_a,
-        Workloads(b, new_id, label=label, script=script, namespace=CTR_NAMESPACE) as on_b,
-    ):
-        first = on_a.start("a")
+    with two_nodes(make_node, node_env, new_id, label, script) as n:
+        first = n.on_a.start("a")
         registry.stop(signal.SIGKILL)
-        log_a = ShimLog(a)
-        checkpoint = _stop(on_a, first, events_a)  # committed here, exit reported
+        log_a = ShimLog(n.a)
+        checkpoint = _stop(n.on_a, first, n.events_a)  # committed here, exit reported
         before = first.ticks()
         assert before is not None
         log_a.wait("checkpoint push failed; it stays pending", checkpoint=checkpoint)
-        assert [e.id for e in entries(a.store, label=label)] == [checkpoint]
+        assert [e.id for e in entries(n.a.store, label=label)] == [checkpoint]
 
         registry.start()
-        synced = _cli(a, node_env, "checkpoints", "sync", "--json")
+        synced = _cli(n.a, node_env, "checkpoints", "sync", "--json")
         assert synced.returncode == 0, synced.stderr
         assert checkpoint in json.loads(synced.stdout)["pushed"], synced.stdout
-        assert _remote_ids(a, node_env, label) == [checkpoint]
+        assert _remote_ids(n.a, node_env, label) == [checkpoint]
 
-        second = on_b.start("b")
-        restored_from(events_b, second, checkpoint)
+        second = n.on_b.start("b")
+        restored_from(n.events_b, second, checkpoint)
         assert_continues(before, wait_ticks(second.lines, count=3), "restore after a late push")
 
 
 def test_namespaces_stay_apart_across_nodes(
     make_node: MakeNode, node_env: dict[str, str], new_id: NewId
 ) -> None:
-    a, b = make_node(node_env), make_node(node_env)
     label = unique_label("apart")
     other_ns = f"{CTR_NAMESPACE}-other"
-    b.import_images(other_ns)
     script = counter_script()
-    with (
-        EventStream(a.socket) as events_a,
-        EventStream(b.socket) as events_b,
-        Workloads(a, new_id, label=label, script=script, namespace=CTR_NAMESPACE) as on_a,
-        Workloads(b, new_id, label=label, script=script, namespace=other_ns) as on_b,
-    ):
-        _stop(on_a, on_a.start("a"), events_a)
-        started_cold(events_b, on_b.start("b"))
+    with two_nodes(make_node, node_env, new_id, label, script, namespace_b=other_ns) as n:
+        _stop(n.on_a, n.on_a.start("a"), n.events_a)
+        started_cold(n.events_b, n.on_b.start("b"))
 
 
 def test_retention_applies_in_the_registry(
@@ -243,24 +258,20 @@ def test_a_start_waits_for_a_push_still_in_flight(
     """The newest checkpoint of the label is still being pushed by node A (its marker is
     in the registry, its tag not yet) when the container starts on B: B waits for it
     instead of starting cold, and resumes from it once the push lands."""
-    a, b = make_node(node_env), make_node(node_env)
     label = unique_label("inflight")
     script = counter_script()
     with (
-        EventStream(a.socket) as events_a,
-        EventStream(b.socket) as events_b,
-        Workloads(a, new_id, label=label, script=script, namespace=CTR_NAMESPACE) as on_a,
-        Workloads(b, new_id, label=label, script=script, namespace=CTR_NAMESPACE) as on_b,
+        two_nodes(make_node, node_env, new_id, label, script) as n,
         ThreadPoolExecutor(1) as pool,
     ):
-        first = on_a.start("a")
+        first = n.on_a.start("a")
         registry.stop(signal.SIGKILL)
-        checkpoint = _stop(on_a, first, events_a)  # committed on A, not pushed
+        checkpoint = _stop(n.on_a, first, n.events_a)  # committed on A, not pushed
         before = first.ticks()
         assert before is not None
         registry.start()
         # A's push has begun: the marker it writes before any blob.
-        entry = next(e for e in entries(a.store, label=label) if e.id == checkpoint)
+        entry = next(e for e in entries(n.a.store, label=label) if e.id == checkpoint)
         client = RegistryClient(registry_config(registry, tls, tmp_path))
         repo = client.repository_for(CTR_NAMESPACE)
         node = str(entry.metadata["node"])
@@ -270,14 +281,14 @@ def test_a_start_waits_for_a_push_still_in_flight(
         marker = marker_manifest(entry.id, CTR_NAMESPACE, label, node, started)
         client.put_manifest(repo, tag.tag + PENDING_SUFFIX, marker, MEDIA_TYPE_MANIFEST)
 
-        log_b = ShimLog(b)
-        starting = pool.submit(on_b.start, "b")  # its Create waits for the push
+        log_b = ShimLog(n.b)
+        starting = pool.submit(n.on_b.start, "b")  # its Create waits for the push
         waiting = log_b.wait("waiting for a checkpoint of the label being written", label=label)
         assert any(checkpoint in w for w in waiting["writers"]), waiting
-        synced = _cli(a, node_env, "checkpoints", "sync", "--json")  # the push completes
+        synced = _cli(n.a, node_env, "checkpoints", "sync", "--json")  # the push completes
         assert synced.returncode == 0, synced.stderr
         second = starting.result(timeout=120)
-        restored_from(events_b, second, checkpoint)
+        restored_from(n.events_b, second, checkpoint)
         assert_continues(before, wait_ticks(second.lines, count=3), "restore after the wait")
 
 
