@@ -116,16 +116,7 @@ def test_established_connections_survive_a_restore_that_keeps_the_ip(
         contextlib.ExitStack() as clients,
     ):
         a = w.start("a", extra=("--net-host",))
-        wait_ticks(a.lines, count=3)
-        conns = [
-            clients.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
-            for _ in range(CLIENTS)
-        ]
-        wait_for(
-            lambda: _httpd_count(w, a) > CLIENTS,
-            timeout=15,
-            what=f"httpd to accept {CLIENTS} connections",
-        )
+        conns = _connect_clients(w, a, clients, port, CLIENTS, timeout=15)
         w.ctr("task", "kill", "-s", "SIGTERM", a.cid)
         committed = events.wait_commit(a.cid, timeout=60)
         events.wait_topic(TOPIC_EXIT, a.cid, timeout=30, id=a.cid)
@@ -217,16 +208,7 @@ def test_a_server_under_load_during_the_stop(containerd: Containerd, new_id: New
         contextlib.ExitStack() as clients,
     ):
         a = w.start("a", extra=("--net-host",))
-        wait_ticks(a.lines, count=3)
-        conns = [
-            clients.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
-            for _ in range(LOAD_CONNECTIONS)
-        ]
-        wait_for(
-            lambda: _httpd_count(w, a) > LOAD_CONNECTIONS,
-            timeout=60,
-            what=f"httpd to accept {LOAD_CONNECTIONS} connections",
-        )
+        conns = _connect_clients(w, a, clients, port, LOAD_CONNECTIONS, timeout=60)
         workers = [threading.Thread(target=hammer) for _ in range(4)]
         for worker in workers:
             worker.start()
@@ -368,6 +350,30 @@ def _receive(receiver: socket.socket, wanted: bytes) -> bytes:
     while wanted not in (data := receiver.recv(65536)):
         pass
     return data
+
+
+def _connect_clients(
+    w: Workloads,
+    box: Box,
+    clients: contextlib.ExitStack,
+    port: int,
+    count: int,
+    *,
+    timeout: float,
+) -> list[socket.socket]:
+    """`count` client connections to the container's httpd (closed with `clients`),
+    once each is served by an httpd process of its own."""
+    wait_ticks(box.lines, count=3)
+    conns = [
+        clients.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+        for _ in range(count)
+    ]
+    wait_for(
+        lambda: _httpd_count(w, box) > count,
+        timeout=timeout,
+        what=f"httpd to accept {count} connections",
+    )
+    return conns
 
 
 def _httpd_count(w: Workloads, box: Box) -> int:
