@@ -146,7 +146,8 @@ def test_list_table_is_aligned_newest_first(
     lines = r.out.splitlines()
     header = lines[0]
     assert header.split() == [
-        "ID", "NAMESPACE", "LABEL", "CONTAINER", "CREATED", "SIZE", "RAW", "STATE", "STATUS",
+        "ID", "NAMESPACE", "LABEL", "CONTAINER", "CREATED", "SIZE", "RAW",
+        "RESTORE", "WITH", "STATE", "STATUS",
     ]  # fmt: skip
     # Aligned: every column starts where its header does.
     starts = [
@@ -161,7 +162,7 @@ def test_list_table_is_aligned_newest_first(
         assert row[1:4] == [entry.scope, entry.label, entry.metadata["container"]]
         assert CREATED_CELL.fullmatch(row[4]), row[4]
         assert row[5] == f"{entry.size / 1024:.1f} KiB"
-        assert row[7:] == ["compacted", "-"]
+        assert row[7:] == [f"CEDANA_RESTORE={entry.id}", "compacted", "-"]
     # The newest checkpoint of each label keeps its raw images (the cache).
     assert [row[6] for row in rows] == [
         human_size(populated.new.raw_bytes), human_size(populated.web.raw_bytes), "-",
@@ -282,7 +283,7 @@ def test_list_and_inspect_show_the_state_and_the_raw_bytes(
     )
     r = cli(capsys, "checkpoints", "list", "--store", populated.root)
     rows = {row[0]: row for row in table_rows(r.out)[1:]}
-    assert rows[raw.id][6:] == ["1000 B", "raw", "-"]
+    assert rows[raw.id][6:] == ["1000 B", f"CEDANA_RESTORE={raw.id}", "raw", "-"]
     r = cli(capsys, "checkpoints", "inspect", raw.id, "--verify", "--store", populated.root)
     assert (r.rc, r.err) == (0, "")
     assert "\nState:     raw (uncompressed, compaction pending)\n" in r.out

@@ -141,3 +141,79 @@ def test_env_and_annotation_intervals_that_differ_are_refused() -> None:
 def test_env_and_annotation_agreeing_are_fine() -> None:
     s = spec(["CEDANA_CHECKPOINT=same"], **{"cedana.ai/checkpoint": "same"})
     assert policy_for(s, "c1", "default").label == "same"
+
+
+# -- restore by hand ------------------------------------------------------------------
+
+CHECKPOINT_ID = "20261129T183000Z-3f9a1c2b"
+
+
+def test_restore_by_env_with_a_label_keeps_the_label_and_auto_mode() -> None:
+    p = policy_for(spec(["CEDANA_CHECKPOINT=lbl", f"CEDANA_RESTORE={CHECKPOINT_ID}"]), "c1", "d")
+    assert (p.mode, p.label, p.restore, p.restore_fallback) == (
+        Mode.AUTO, "lbl", CHECKPOINT_ID, "fail",
+    )  # fmt: skip
+    assert p.restores
+
+
+def test_restore_alone_opts_in_by_hand_under_the_container_name() -> None:
+    p = policy_for(spec(**{"cedana.ai/restore": "20261129"}), "ctr-7", "default")
+    assert (p.mode, p.label, p.restore) == (Mode.MANUAL, "ctr-7", "20261129")
+    assert p.restores
+    assert not policy_for(spec(["CEDANA_ENABLE=1"]), "c1", "d").restores
+
+
+def test_an_empty_restore_asks_for_nothing() -> None:
+    p = policy_for(spec(["CEDANA_ENABLE=1", "CEDANA_RESTORE="]), "c1", "d")
+    assert (p.mode, p.restore, p.restores) == (Mode.MANUAL, "", False)
+
+
+def test_fallback_cold_from_env_or_annotation() -> None:
+    env = [f"CEDANA_RESTORE={CHECKPOINT_ID}", "CEDANA_RESTORE_FALLBACK=Cold"]
+    assert policy_for(spec(env), "c1", "d").restore_fallback == "cold"
+    s = spec([f"CEDANA_RESTORE={CHECKPOINT_ID}"], **{"cedana.ai/restore-fallback": "cold"})
+    assert policy_for(s, "c1", "d").restore_fallback == "cold"
+    with pytest.raises(InvalidArgument, match=r"restore fallback 'warm'.*use 'cold'"):
+        policy_for(
+            spec([f"CEDANA_RESTORE={CHECKPOINT_ID}", "CEDANA_RESTORE_FALLBACK=warm"]), "c", "d"
+        )
+
+
+def test_restore_env_and_annotation_that_disagree_are_refused() -> None:
+    s = spec([f"CEDANA_RESTORE={CHECKPOINT_ID}"], **{"cedana.ai/restore": "2026"})
+    with pytest.raises(InvalidArgument, match="conflicting settings"):
+        policy_for(s, "c1", "default")
+
+
+@pytest.mark.parametrize(
+    ("value", "rule"),
+    [
+        ("../20261129", "path separator"),
+        ("a\\b", "path separator"),
+        ("2026..11", "'..'"),
+        ("2026\n1129", "control characters"),
+        ("2026\x7f", "control characters"),
+        ("x" * 26, "over 25"),
+        ("2026 1129", "outside"),
+        ("2026;rm", "outside"),
+    ],
+)
+def test_hostile_restore_values_are_refused_with_the_rule(value: str, rule: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        policy_for(spec([f"CEDANA_RESTORE={value}"]), "c1", "default")
+    message = str(caught.value)
+    assert rule in message and "(from env CEDANA_RESTORE)" in message
+
+
+def test_a_huge_restore_value_is_not_echoed_whole() -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        policy_for(spec(["CEDANA_RESTORE=" + "9" * 100_000]), "c1", "default")
+    assert len(str(caught.value)) < 400
+
+
+def test_image_digest_only_from_a_pinned_reference() -> None:
+    digest = "sha256:" + "ab" * 32
+    pinned = spec(["CEDANA_ENABLE=1"], **{"io.kubernetes.cri.image-name": f"reg/app@{digest}"})
+    assert policy_for(pinned, "c1", "k8s.io").image_digest == digest
+    tagged = spec(["CEDANA_ENABLE=1"], **{"io.kubernetes.cri.image-name": "reg/app:1"})
+    assert policy_for(tagged, "c1", "k8s.io").image_digest == ""

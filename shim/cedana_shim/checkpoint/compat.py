@@ -1,4 +1,4 @@
-"""Can this node restore a checkpoint taken elsewhere? The checks that need no images.
+"""Can this node (and this container) restore a checkpoint? The checks that need no images.
 
 A checkpoint records the versions of the node that took it (``versions`` in its
 metadata: kernel, arch, CRIU, runc). CRIU restores onto a kernel and a CRIU at least as
@@ -50,4 +50,30 @@ def incompatible(metadata: Mapping[str, Any], here: Mapping[str, str]) -> str:
                 f"{shown_now}: upgrade {what} here, or restore on a node like the one that "
                 f"took it ({versions.get('node') or metadata.get('node') or 'unknown'})"
             )
+    return ""
+
+
+def image_mismatch(metadata: Mapping[str, Any], image: str, digest: str) -> str:
+    """Why a checkpoint with ``metadata`` must not be restored into a container of
+    ``image`` (pinned to ``digest``, or "" when it is a tag); empty when it may.
+
+    The checkpoint's memory expects its own image's files underneath it. Digests
+    are compared when both sides know theirs, else the image names when both are
+    recorded (a tag moved to another digest cannot be told apart then); an image
+    unknown on either side (a container made with ctr) is not held against it.
+    """
+    then = str(metadata.get("imageDigest") or "")
+    then_name = str(metadata.get("image") or "")
+    if then and digest:
+        if then == digest:
+            return ""
+        return (
+            f"it was taken from image {then_name or '?'} ({then}), this container's image is "
+            f"{image or '?'} ({digest}): run the checkpointed image to restore it"
+        )
+    if then_name and image and then_name != image:
+        return (
+            f"it was taken from image {then_name}, this container's image is {image}: "
+            "run the checkpointed image to restore it"
+        )
     return ""

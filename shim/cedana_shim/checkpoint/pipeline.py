@@ -50,6 +50,7 @@ from .layers import (
     spec_mounts,
 )
 from .netinfo import network_facts
+from .oplog import PhaseClock
 from .policy import Policy
 from .rootfs_diff import capture, capture_dir, upperdir_of
 from .store import Entry, Ingest, Store
@@ -100,6 +101,9 @@ class Dump:
     ingest: Ingest
     frozen: bool = False  # the container is still paused by us (keep_frozen)
     gpu: GpuDump | None = None  # GPU state still in host memory (keep_frozen)
+    # Seconds per phase (gpu, freeze, dump, rootfs), for the operation's log line,
+    # record and metrics.
+    clock: PhaseClock = field(default_factory=PhaseClock)
 
 
 @dataclass
@@ -224,26 +228,32 @@ class Pipeline:
             )  # fmt: skip
             await self.hooks.run(Stage.PRECHECKPOINT, state)
             # GPU state into host memory first: a cgroup-frozen process cannot be locked.
-            dump.gpu = await self.gpu.before_dump(target.container_id, target.spec, target.runc)
+            with dump.clock.phase("gpu"):
+                dump.gpu = await self.gpu.before_dump(target.container_id, target.spec, target.runc)
+            if dump.gpu is None:
+                del dump.clock.phases["gpu"]  # no GPU: no phase (its instant goes to other)
             criu_config.write(target.bundle, criu_config.dump_options(self.config))
             if request.freeze:
-                await target.runc.pause(target.container_id)
+                with dump.clock.phase("freeze"):
+                    await target.runc.pause(target.container_id)
                 dump.frozen = True
-            await target.runc.checkpoint(
-                target.container_id,
-                CheckpointOpts(
-                    image_path=criu_dir,
-                    work_path=work_dir,
-                    leave_running=True,  # CRIU leaves a frozen container frozen
-                    tcp_established=self.config.tcp_established,
-                    ext_unix_sk=True,
-                    file_locks=self.config.file_locks,
-                    shell_job=target.terminal,
-                ),
-            )
+            with dump.clock.phase("dump"):
+                await target.runc.checkpoint(
+                    target.container_id,
+                    CheckpointOpts(
+                        image_path=criu_dir,
+                        work_path=work_dir,
+                        leave_running=True,  # CRIU leaves a frozen container frozen
+                        tcp_established=self.config.tcp_established,
+                        ext_unix_sk=True,
+                        file_locks=self.config.file_locks,
+                        shell_job=target.terminal,
+                    ),
+                )
             dumped = time.monotonic()
             ingest.set_metadata(**await context)
-            await asyncio.to_thread(self._capture_files, target, ingest)
+            with dump.clock.phase("rootfs"):
+                await asyncio.to_thread(self._capture_files, target, ingest)
             if not request.keep_frozen:
                 await self.thaw(target, dump)
             if dump.gpu is not None:
@@ -343,6 +353,7 @@ class Pipeline:
             "pod": policy.pod,
             "container": policy.container,
             "image": policy.image,
+            "imageDigest": policy.image_digest,
             "node": platform.node(),
             "terminal": target.terminal,
             "mounts": [str(m.get("destination")) for m in spec_mounts(target.spec)],

@@ -7,7 +7,13 @@ application itself changes nothing:
   checkpoint on stop, restore the latest good checkpoint of the label on start;
 * ``CEDANA_ENABLE=1``: checkpoints allowed (on demand, periodic), no restore;
 * ``CEDANA_CHECKPOINT_INTERVAL=<duration>`` (or ``cedana.ai/checkpoint-interval``):
-  periodic leave-running checkpoints.
+  periodic leave-running checkpoints;
+* ``CEDANA_RESTORE=<checkpoint id or unique prefix>`` (or ``cedana.ai/restore``):
+  start from exactly that checkpoint of the scope (restore by hand); the Create
+  fails when it cannot be restored, unless ``CEDANA_RESTORE_FALLBACK=cold`` (or
+  ``cedana.ai/restore-fallback``) says to start cold instead. On its own it opts the
+  container in as ``CEDANA_ENABLE=1`` does; with a label, later checkpoints carry
+  the label as usual.
 
 A label is scoped to the pod's Kubernetes namespace (containerd's namespace
 outside the CRI): a pod in namespace B never sees namespace A's checkpoints.
@@ -33,6 +39,14 @@ ENV_ENABLE = "CEDANA_ENABLE"
 ENV_INTERVAL = "CEDANA_CHECKPOINT_INTERVAL"
 ANN_LABEL = "cedana.ai/checkpoint"
 ANN_INTERVAL = "cedana.ai/checkpoint-interval"
+ENV_RESTORE = "CEDANA_RESTORE"
+ANN_RESTORE = "cedana.ai/restore"
+ENV_RESTORE_FALLBACK = "CEDANA_RESTORE_FALLBACK"
+ANN_RESTORE_FALLBACK = "cedana.ai/restore-fallback"
+FALLBACK_COLD = "cold"
+FALLBACK_FAIL = "fail"
+# A checkpoint id (20261129T183000Z-3f9a1c2b) or a prefix of one.
+RESTORE_REF_MAX = 25
 CRI_CONTAINER_TYPE = "io.kubernetes.cri.container-type"
 CRI_NAMESPACE = "io.kubernetes.cri.sandbox-namespace"
 CRI_POD = "io.kubernetes.cri.sandbox-name"
@@ -61,26 +75,24 @@ class Policy:
     pod: str = ""
     container: str = ""
     image: str = ""
+    restore: str = ""  # restore by hand: a checkpoint id or unique prefix of the scope
+    restore_fallback: str = FALLBACK_FAIL  # or FALLBACK_COLD
+    image_digest: str = ""  # sha256:<hex> when the image is pinned by digest
 
     @property
     def enabled(self) -> bool:
         return self.mode is not Mode.OFF
 
+    @property
+    def restores(self) -> bool:
+        """A Create restores: from the label's latest, or from the one asked for."""
+        return self.mode is Mode.AUTO or bool(self.restore)
+
 
 def validate_label(label: str, source: str) -> str:
     """The label itself, or InvalidArgument naming the label, its source and the rule."""
-    rule = ""
-    if not label:
-        rule = "it is empty"
-    elif len(label) > LABEL_MAX:
-        rule = f"it is {len(label)} characters long, over {LABEL_MAX}"
-    elif "/" in label or "\\" in label:
-        rule = "it contains a path separator"
-    elif ".." in label:
-        rule = "it contains '..'"
-    elif any(ord(c) < 0x20 or ord(c) == 0x7F for c in label):
-        rule = "it contains control characters"
-    elif not re.fullmatch(r"[A-Za-z0-9._-]+", label):
+    rule = _text_rule(label, LABEL_MAX)
+    if not rule and not re.fullmatch(r"[A-Za-z0-9._-]+", label):
         rule = "it contains characters outside [A-Za-z0-9._-]"
     if rule:
         raise InvalidArgument(
@@ -88,6 +100,54 @@ def validate_label(label: str, source: str) -> str:
             f"use 1-{LABEL_MAX} characters of letters, digits, '.', '_' or '-'"
         )
     return label
+
+
+def _text_rule(text: str, limit: int) -> str:
+    """What makes ``text`` unfit as a name in the store; empty when nothing does."""
+    if not text:
+        return "it is empty"
+    if len(text) > limit:
+        return f"it is {len(text)} characters long, over {limit}"
+    if "/" in text or "\\" in text:
+        return "it contains a path separator"
+    if ".." in text:
+        return "it contains '..'"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in text):
+        return "it contains control characters"
+    return ""
+
+
+def validate_restore_ref(text: str, source: str) -> str:
+    """A checkpoint id or id prefix to restore from, or InvalidArgument with the rule."""
+    rule = _text_rule(text, RESTORE_REF_MAX)
+    if not rule and not re.fullmatch(r"[0-9A-Za-z-]+", text):
+        rule = "it contains characters outside [A-Za-z0-9-]"
+    if rule:
+        shown = text if len(text) <= 2 * RESTORE_REF_MAX else text[: 2 * RESTORE_REF_MAX] + "..."
+        raise InvalidArgument(
+            f"checkpoint to restore {shown!r} (from {source}) is invalid: {rule}; give a "
+            "checkpoint id as `cedana checkpoints list` shows it (e.g. "
+            "20261129T183000Z-3f9a1c2b) or a unique prefix of one"
+        )
+    return text
+
+
+def validate_fallback(text: str, source: str) -> str:
+    value = text.strip().lower()
+    if value not in (FALLBACK_COLD, FALLBACK_FAIL):
+        raise InvalidArgument(
+            f"restore fallback {text[:64]!r} (from {source}) is invalid: use "
+            f"{FALLBACK_COLD!r} (start cold when the checkpoint cannot be restored) or "
+            f"{FALLBACK_FAIL!r} (the default: the container fails to start)"
+        )
+    return value
+
+
+def image_digest(image: str) -> str:
+    """The digest an image reference pins (``name@sha256:<hex>``, or an image id
+    ``sha256:<hex>``); empty when the reference is a tag."""
+    m = re.search(r"(?:^|@)(sha256:[0-9a-f]{64})$", image)
+    return m.group(1) if m else ""
 
 
 def parse_duration(text: str, source: str) -> float:
@@ -163,6 +223,8 @@ def policy_for(spec: Mapping[str, Any], container_id: str, containerd_namespace:
         "container": str(annotations.get(CRI_CONTAINER) or container_id),
         "image": str(annotations.get(CRI_IMAGE, "")),
     }
+    identity["image_digest"] = image_digest(identity["image"])
+    restore = _restore_settings(env, annotations)
     interval = None
     setting = _setting(env, ENV_INTERVAL, annotations, ANN_INTERVAL)
     if setting is not None and setting[1]:
@@ -170,9 +232,23 @@ def policy_for(spec: Mapping[str, Any], container_id: str, containerd_namespace:
     setting = _setting(env, ENV_LABEL, annotations, ANN_LABEL)
     if setting is not None:
         label = validate_label(setting[1], setting[0])
-        return Policy(Mode.AUTO, label, interval=interval, **identity)
-    if env.get(ENV_ENABLE, "").strip().lower() in TRUE_WORDS or interval is not None:
+        return Policy(Mode.AUTO, label, interval=interval, **restore, **identity)
+    enabled = env.get(ENV_ENABLE, "").strip().lower() in TRUE_WORDS
+    if enabled or interval is not None or restore:
         # Manual checkpoints land under the container's own name.
         label = validate_label(identity["container"], "the container name")
-        return Policy(Mode.MANUAL, label, interval=interval, **identity)
+        return Policy(Mode.MANUAL, label, interval=interval, **restore, **identity)
     return Policy(Mode.OFF, scope=scope)
+
+
+def _restore_settings(env: Mapping[str, str], annotations: Mapping[str, Any]) -> dict[str, str]:
+    """``restore`` and ``restore_fallback`` for Policy; empty when none is asked for."""
+    setting = _setting(env, ENV_RESTORE, annotations, ANN_RESTORE)
+    if setting is None or not setting[1]:
+        return {}  # an empty value (a template's default) asks for nothing
+    ref = validate_restore_ref(setting[1], setting[0])
+    fallback = FALLBACK_FAIL
+    chosen = _setting(env, ENV_RESTORE_FALLBACK, annotations, ANN_RESTORE_FALLBACK)
+    if chosen is not None and chosen[1].strip():
+        fallback = validate_fallback(chosen[1], chosen[0])
+    return {"restore": ref, "restore_fallback": fallback}

@@ -17,10 +17,22 @@
    checkpoint is tried again from its blob when it has one.
 4. No candidate left: a cold start.
 
+A restore by hand (``CEDANA_RESTORE``, see policy.py) has one candidate: the
+checkpoint of the scope it names (here or in the registry), checked like any other
+and also against the container's image. When it cannot be restored the Create (or
+the Start, when CRIU fails) fails with an error naming it and why, unless the
+policy's fallback is ``cold``. A successful restore is recorded in the store
+(``restores/<id>.jsonl``) for `cedana checkpoints inspect`.
+
 Each skipped candidate and the reason is recorded in the :class:`RestoreReport`
 that the task layer logs and publishes (``/cedana/restore``). The session drives
 the container only through :class:`RestoreHost`, so the same object serves any
 caller that can restore from a directory of CRIU images.
+
+About 750 lines: every way into and out of a restore is decided here, on purpose in
+one place (the candidates, by label or by hand, their checks, the fallback, the
+report); what is not a decision lives beside it (compat.py, criu_config.py,
+gpu_steps.py, the store).
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import platform
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,14 +49,22 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import NodeConfig
-from ..errors import DataLoss, DeadlineExceeded, ShimError
+from ..errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ShimError,
+)
 from ..hooks import HookRunner, HookState, Stage
 from . import criu_config
-from .compat import incompatible
+from .compat import image_mismatch, incompatible
 from .gpu_steps import GpuSteps
 from .layers import CRIU_LAYER, ROOTFS_LAYER, SHM_LAYER, shm_source
 from .netinfo import tcp_can_live
-from .policy import Policy
+from .oplog import PhaseClock
+from .policy import FALLBACK_COLD, Policy
 from .rootfs_diff import apply, apply_dir
 from .store import Entry, Store
 
@@ -55,6 +76,12 @@ log = logging.getLogger(__name__)
 RESTORE_DIR = "cedana-restore"
 IN_FLIGHT_POLL = 0.1  # seconds between looks at checkpoints still being written
 REMOTE_IN_FLIGHT_POLL = 1.0  # the same, for pushes in flight in the registry
+# RestoreReport.phases, always all present (seconds; 0.0 for a phase that did not run):
+# waiting for checkpoints being written, listing candidates here and in the registry,
+# pulling from the registry, verifying blobs, unpacking images and files, CRIU,
+# the GPU state, pre/post-restore hooks.
+PHASES = ("wait", "list", "pull", "verify", "unpack", "restore", "gpu", "hooks")
+HOW_TO_FALL_BACK = "set CEDANA_RESTORE_FALLBACK=cold to start cold instead"
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +146,12 @@ class Plan:
         return recorded if isinstance(recorded, Mapping) else {}
 
 
+def _restore_clock() -> PhaseClock:
+    clock = PhaseClock()
+    clock.phases.update(dict.fromkeys(PHASES, 0.0))
+    return clock
+
+
 @dataclass
 class RestoreReport:
     """How a restore ended, for the log and the ``/cedana/restore`` event."""
@@ -129,13 +162,21 @@ class RestoreReport:
     checkpoint_id: str = ""  # empty for a cold start
     skipped: list[str] = field(default_factory=list)  # "<id>: why", in order
     store_problem: str = ""  # the store could not be read: started cold because of it
+    requested: str = ""  # restore by hand: the id or prefix asked for
+    failed: str = ""  # restore by hand refused: the error the Create or Start failed with
+    clock: PhaseClock = field(default_factory=_restore_clock, repr=False)
+    total: float = 0.0  # seconds spent restoring (at Create and at Start), phases and all
 
     @property
     def outcome(self) -> str:
+        if self.failed:
+            return "failed"
         return "restored" if self.checkpoint_id else "cold"
 
     @property
     def detail(self) -> str:
+        if self.failed:
+            return self.failed
         reasons = [self.store_problem] if self.store_problem else []
         reasons += self.skipped
         if not reasons and not self.checkpoint_id:
@@ -145,7 +186,16 @@ class RestoreReport:
     @property
     def alarming(self) -> bool:
         """Something was passed over or broken: worth a warning, not an info line."""
-        return bool(self.skipped or self.store_problem)
+        return bool(self.skipped or self.store_problem or self.failed)
+
+    @property
+    def phases(self) -> dict[str, float]:
+        """Seconds per phase (every key of PHASES; 0.0 for one that did not run)."""
+        return self.clock.phases
+
+    def timing(self, phase: str) -> contextlib.AbstractContextManager[None]:
+        """Add the time spent in the block to ``phase``."""
+        return self.clock.phase(phase)
 
 
 class RawImagesBad(DataLoss):
@@ -181,10 +231,15 @@ class RestoreSession:
         self.policy = policy
         self._report = report
         self._writing_here = writing_here  # this daemon's own stops still dumping
-        self.result = RestoreReport(container_id, policy.scope, policy.label)
+        self.result = RestoreReport(
+            container_id, policy.scope, policy.label, requested=policy.restore
+        )
         self._remote = remote  # the node's registry, when it has one
         self._remaining: list[Entry | RemoteCheckpoint] = []
         self._raw_refused: set[str] = set()  # ids whose raw images failed their check
+        self._refusal: type[ShimError] | None = None  # a restore by hand's error class
+        self._refused: tuple[str, str] | None = None  # and its (checkpoint, why)
+        self._since = time.monotonic()  # when prepare or run began (RestoreReport.total)
         self.plan: Plan | None = None
 
     @property
@@ -195,25 +250,108 @@ class RestoreSession:
 
     async def prepare(self, host: RestoreHost) -> bool:
         """Unpack the first usable candidate into ``host``; False means start cold
-        (already reported: the caller just creates the container as usual)."""
-        self._remaining = await self._candidates()
+        (already reported: the caller just creates the container as usual).
+
+        A restore by hand that cannot be restored raises (NotFound, InvalidArgument,
+        DataLoss, FailedPrecondition, ...) naming the checkpoint and why, unless its
+        fallback is cold."""
+        self._since = time.monotonic()
+        if self.policy.restore:
+            self._remaining = await self._chosen()
+        else:
+            self._remaining = await self._candidates()
         self.plan = await self._prepare_next(host)
         if self.plan is None:
-            self._finish()
+            self._finish_or_refuse()
+        else:
+            self._lap()
         return self.plan is not None
+
+    @property
+    def _by_hand(self) -> bool:
+        """A restore by hand that must not start cold."""
+        return bool(self.policy.restore) and self.policy.restore_fallback != FALLBACK_COLD
+
+    def _finish_or_refuse(self) -> None:
+        """No candidate was restored: reported, and for a restore by hand that must
+        not start cold, raised as the error that fails the container (naming the
+        checkpoint and the last reason recorded)."""
+        if not self._by_hand:
+            self._finish()
+            return
+        which, why = self._refused or ("", "it could not be restored")
+        ref = self.policy.restore
+        named = f"{ref!r}" if which in ("", ref) else f"{ref!r} ({which})"
+        self.result.failed = (
+            f"container {self.container_id}: cannot restore checkpoint {named} "
+            f"(CEDANA_RESTORE) in namespace {self.policy.scope!r}: {why}; {HOW_TO_FALL_BACK}"
+        )
+        self._finish()
+        raise (self._refusal or FailedPrecondition)(self.result.failed)
+
+    async def _chosen(self) -> list[Entry | RemoteCheckpoint]:
+        """The one checkpoint a restore by hand names, here or in the registry; an
+        unknown or ambiguous name is recorded (and refused by :meth:`_finish_or_refuse`)."""
+        scope, ref = self.policy.scope, self.policy.restore
+        with self.result.timing("list"):
+            try:
+                local = await asyncio.to_thread(self.store.matching, scope, ref)
+            except (ShimError, OSError) as err:
+                self.result.store_problem = f"checkpoint store unusable: {err}"
+                local = []
+            remote = await self._remote_matching(scope, ref, {e.id for e in local})
+        found: list[Entry | RemoteCheckpoint] = [*local, *remote]
+        if len(found) == 1:
+            return found
+        if not found:
+            # The same words whether or not another namespace has it: never reveal that.
+            self._refuse(NotFound, ref, f"no checkpoint {ref!r} in namespace {scope!r}")
+        else:
+            ids = [c.id if isinstance(c, Entry) else c.checkpoint_id for c in found]
+            shown = ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
+            self._refuse(
+                InvalidArgument,
+                ref,
+                f"{len(ids)} checkpoints start with {ref!r} ({shown}); give more of the id",
+            )
+        return []
+
+    async def _remote_matching(
+        self, scope: str, ref: str, local: set[str]
+    ) -> list[RemoteCheckpoint]:
+        if self._remote is None:
+            return []
+        try:
+            remote = self._remote()
+            listed = await asyncio.to_thread(remote.list, scope)
+        except (ShimError, OSError) as err:
+            self.result.skipped.append(f"registry: cannot list checkpoints ({err})")
+            return []
+        complete = [c for c in listed if c.complete and c.checkpoint_id not in local]
+        exact = [c for c in complete if c.checkpoint_id == ref]
+        return exact or [c for c in complete if c.checkpoint_id.startswith(ref)]
+
+    def _refuse(self, kind: type[ShimError], checkpoint: str, why: str) -> None:
+        """Record why a restore by hand cannot use ``checkpoint`` and the error class
+        that says so."""
+        self._refusal = kind
+        self._refused = (checkpoint, why)
+        self._skip(checkpoint, why)
 
     async def _candidates(self) -> list[Entry | RemoteCheckpoint]:
         """The label's checkpoints here and in the registry, newest first (one taken
         here and also pushed counts once, as the local one)."""
         scope, label = self.policy.scope, self.policy.label
-        await self._wait_for_writers(scope, label)
+        with self.result.timing("wait"):
+            await self._wait_for_writers(scope, label)
         local: list[Entry] = []
-        try:
-            local = await asyncio.to_thread(self.store.candidates, scope, label)
-        except (ShimError, OSError) as err:
-            # A damaged store must never keep a container from running.
-            self.result.store_problem = f"checkpoint store unusable: {err}"
-        remote = await self._remote_candidates(scope, label, {e.id for e in local})
+        with self.result.timing("list"):
+            try:
+                local = await asyncio.to_thread(self.store.candidates, scope, label)
+            except (ShimError, OSError) as err:
+                # A damaged store must never keep a container from running.
+                self.result.store_problem = f"checkpoint store unusable: {err}"
+            remote = await self._remote_candidates(scope, label, {e.id for e in local})
         found: list[Entry | RemoteCheckpoint] = [*local, *remote]
         # Stable: at equal times the local copy (listed first) wins.
         found.sort(key=lambda c: c.created, reverse=True)
@@ -310,14 +448,19 @@ class RestoreSession:
                 entry = pulled
             why = unusable(entry, here)
             if why:
-                self._skip(entry.id, why)
+                self._refuse(DataLoss if entry.damage else FailedPrecondition, entry.id, why)
                 continue
+            if self.policy.restore:
+                why = image_mismatch(entry.metadata, self.policy.image, self.policy.image_digest)
+                if why:
+                    self._refuse(FailedPrecondition, entry.id, why)
+                    continue
             if network is None:
                 network = await host.network_facts()
             try:
                 return await asyncio.to_thread(self._unpack, entry, host, network)
             except (ShimError, OSError) as err:
-                self._skip(entry.id, str(err))
+                self._refuse(_kind(err, DataLoss), entry.id, str(err))
                 await host.reset_rootfs()
         return None
 
@@ -329,16 +472,19 @@ class RestoreSession:
         node = candidate.node or f"#{candidate.node_hash}"
         what = f"{candidate.checkpoint_id} (registry, from node {node})"
         try:
-            remote = self._remote()
-            metadata = await asyncio.to_thread(remote.fetch_metadata, candidate)
-            why = incompatible(metadata, here)
-            if why:
-                self._skip(what, why)
-                return None
-            started = time.monotonic()
-            entry = await asyncio.to_thread(remote.pull, candidate)
+            with self.result.timing("pull"):
+                remote = self._remote()
+                metadata = await asyncio.to_thread(remote.fetch_metadata, candidate)
+                why = incompatible(metadata, here) or image_mismatch(
+                    metadata, self.policy.image, self.policy.image_digest
+                )
+                if why:
+                    self._refuse(FailedPrecondition, what, why)
+                    return None
+                started = time.monotonic()
+                entry = await asyncio.to_thread(remote.pull, candidate)
         except (ShimError, OSError) as err:
-            self._skip(what, f"cannot pull it: {err}")
+            self._refuse(_kind(err, DataLoss), what, f"cannot pull it: {err}")
             return None
         log.info(
             "pulled checkpoint from the registry",
@@ -365,13 +511,17 @@ class RestoreSession:
             if raw is not None:
                 # Blobs present with their sizes now; the raw images' checksums are
                 # checked while CRIU restores (the restored tasks wait for both).
-                self.store.verify(entry, deep=False)
+                with self.result.timing("verify"):
+                    self.store.verify(entry, deep=False)
                 image_dir = raw
             else:
-                self.store.verify(entry)
+                with self.result.timing("verify"):
+                    self.store.verify(entry)
                 image_dir = os.path.join(work, "images")
-                self.store.extract_layer(entry, CRIU_LAYER, image_dir)
-            self._apply_files(entry, host)
+                with self.result.timing("unpack"):
+                    self.store.extract_layer(entry, CRIU_LAYER, image_dir)
+            with self.result.timing("unpack"):
+                self._apply_files(entry, host)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
@@ -420,8 +570,10 @@ class RestoreSession:
         """Restore the prepared candidate, then the next ones; cold when none is left.
 
         Returns the init's pid. A cancellation (a Kill during the restore) passes
-        through after the attempt's gate was told to let nothing run.
+        through after the attempt's gate was told to let nothing run. A restore by
+        hand that fails (and may not start cold) raises, the attempt undone.
         """
+        self._since = time.monotonic()
         plan = self.plan
         while plan is not None:
             try:
@@ -435,18 +587,42 @@ class RestoreSession:
                     self._raw_refused.add(retry.id)
                     self._remaining.insert(0, retry)
             except (ShimError, OSError) as err:
-                self._skip(plan.entry.id, f"restore failed: {err}")
+                kind = _kind(err, FailedPrecondition)
+                self._refuse(kind, plan.entry.id, f"restore failed: {err}")
                 await host.discard_attempt()
             else:
                 self.result.checkpoint_id = plan.entry.id
+                await asyncio.to_thread(self._record, plan.entry)
                 self._finish()
                 return pid
             finally:
                 _discard_work(plan)
             await host.reset_rootfs()
             plan = self.plan = await self._prepare_next(host)
-        self._finish()
+        self._finish_or_refuse()
         return await host.create_cold()
+
+    def _record(self, entry: Entry) -> None:
+        """What was restored from ``entry`` and when, in the store; a record that
+        cannot be written is logged, never a reason to fail the restore."""
+        policy = self.policy
+        record = {
+            "restoredAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "containerId": self.container_id,
+            "namespace": policy.scope,
+            "pod": policy.pod,
+            "container": policy.container,
+            "label": policy.label,
+            "node": platform.node(),
+            "byHand": bool(policy.restore),
+        }
+        try:
+            self.store.record_restore(entry.id, record)
+        except (ShimError, OSError) as err:
+            log.warning(
+                "cannot record the restore in the store",
+                extra={"container": self.container_id, "checkpoint": entry.id, "error": str(err)},
+            )
 
     def _discard_raw(self, entry: Entry) -> Entry | None:
         """Drop bad raw images; the checkpoint again if it has a blob to try instead
@@ -468,21 +644,25 @@ class RestoreSession:
             plan.entry.id,
             plan.image_dir,
         )
-        await self.hooks.run(Stage.PRERESTORE, state)  # an operator's veto raises
+        timing = self.result.timing
+        with timing("hooks"):
+            await self.hooks.run(Stage.PRERESTORE, state)  # an operator's veto raises
         try:
-            pid = await self._restore(host, plan)
+            with timing("restore"):
+                pid = await self._restore(host, plan)
             if plan.gpu:
                 # Processes without their GPU state cannot run: the attempt failed.
-                await self.gpu.after_restore(
-                    self.container_id, await host.pids(), plan.gpu, plan.gpu_device_map
-                )
+                with timing("gpu"):
+                    await self.gpu.after_restore(
+                        self.container_id, await host.pids(), plan.gpu, plan.gpu_device_map
+                    )
         except BaseException:
-            with contextlib.suppress(Exception):  # post hooks report, never undo
+            with contextlib.suppress(Exception), timing("hooks"):  # post hooks never undo
                 await asyncio.shield(
                     self.hooks.run(Stage.POSTRESTORE, replace(state, outcome="failed"))
                 )
             raise
-        with contextlib.suppress(ShimError, OSError):
+        with contextlib.suppress(ShimError, OSError), timing("hooks"):
             await self.hooks.run(
                 Stage.POSTRESTORE, replace(state, status="running", pid=pid, outcome="ok")
             )
@@ -558,8 +738,24 @@ class RestoreSession:
             extra={"container": self.container_id, "checkpoint": checkpoint, "error": why},
         )
 
+    def _lap(self) -> None:
+        """Count the time since the session last began working in ``total``."""
+        now = time.monotonic()
+        self.result.total += now - self._since
+        self._since = now
+
     def _finish(self) -> None:
+        self._lap()
         self._report(self.result)
+
+
+def _kind(err: BaseException, otherwise: type[ShimError]) -> type[ShimError]:
+    """The errors.py class of ``err`` (its status code) for a restore by hand's own
+    error; ``otherwise`` for an OSError."""
+    for cls in type(err).__mro__:
+        if issubclass(cls, ShimError) and cls.__module__ == ShimError.__module__:
+            return cls
+    return otherwise
 
 
 def _discard_work(plan: Plan) -> None:

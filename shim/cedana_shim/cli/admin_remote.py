@@ -183,7 +183,17 @@ def cmd_list_remote(args: argparse.Namespace) -> int:
     if args.quiet:
         sys.stdout.write("".join(f"{r.ref}\n" for r in found))
     elif args.json:
-        _write_json([r.to_json() for r in found])
+        from .admin_store import restore_with
+
+        _write_json(
+            [
+                {
+                    **r.to_json(),
+                    "restoreWith": restore_with(r.checkpoint_id) if r.complete else None,
+                }
+                for r in found
+            ]
+        )
     elif not found:
         where = f"namespace {args.namespace}" if args.namespace else "this store's namespaces"
         sys.stderr.write(f"No checkpoints in registry {remote.client.host} ({where}).\n")

@@ -35,6 +35,7 @@ _SHOWN_KEYS = frozenset(
         "id", "scope", "label", "created", "sizes", "layers", "metadataVersion", "reason",
         "namespace", "containerdNamespace", "containerId", "pod", "container", "image",
         "node", "versions", "network", "terminal", "mounts", "timings", "rootfs_diff",
+        "imageDigest",
     }
 )  # fmt: skip
 _VERSION_ORDER = ("shim", "runc", "criu", "kernel", "arch")
@@ -151,7 +152,20 @@ def list_item(entry: Entry, damage: str | None = None) -> dict[str, Any]:
         item["damage"] = damage
     for key in ("containerId", "containerdNamespace", "pod", "image", "reason"):
         item.setdefault(key, meta.get(key))
+    item["restoreWith"] = restore_with(entry.id)
     return item
+
+
+def restore_with(checkpoint_id: str) -> dict[str, str]:
+    """How to start a container from this checkpoint (restore by hand): the env
+    setting, the line for a pod spec's ``env:``, and the annotation form."""
+    from cedana_shim.checkpoint.policy import ANN_RESTORE, ENV_RESTORE
+
+    return {
+        "env": f"{ENV_RESTORE}={checkpoint_id}",
+        "podSpec": f'- {{name: {ENV_RESTORE}, value: "{checkpoint_id}"}}',
+        "annotation": f'{ANN_RESTORE}: "{checkpoint_id}"',
+    }
 
 
 def quick_damage(store: Store, entry: Entry) -> str | None:
@@ -187,7 +201,8 @@ def _raw_images(entry: Entry) -> str:
 
 def list_table(entries: list[tuple[Entry, str | None]], now: datetime) -> str:
     headers = (
-        "ID", "NAMESPACE", "LABEL", "CONTAINER", "CREATED", "SIZE", "RAW", "STATE", "STATUS",
+        "ID", "NAMESPACE", "LABEL", "CONTAINER", "CREATED", "SIZE", "RAW",
+        "RESTORE WITH", "STATE", "STATUS",
     )  # fmt: skip
     rows = [
         (
@@ -198,6 +213,7 @@ def list_table(entries: list[tuple[Entry, str | None]], now: datetime) -> str:
             format_local(e.created, now),
             human_size(e.size),
             _raw(e),
+            "-" if damage else restore_with(e.id)["env"],
             e.state if e.damage is None else "-",
             _status(e, damage),
         )
@@ -296,7 +312,11 @@ def _fields(entry: Entry, now: datetime) -> list[tuple[str, str]]:
         ("Reason", _text(meta.get("reason"))),
         ("Pod", _text(meta.get("pod"))),
         ("Container", _text(meta.get("container"))),
-        ("Image", _text(meta.get("image"))),
+        (
+            "Image",
+            _text(meta.get("image"))
+            + (f" ({meta['imageDigest']})" if meta.get("imageDigest") else ""),
+        ),
         ("Task", _task(meta)),
         ("Node", _text(meta.get("node"))),
         ("Size", f"{human_size(entry.size)} stored ({entry.size} bytes), {human_size(raw)} raw"),
@@ -309,7 +329,35 @@ def _fields(entry: Entry, now: datetime) -> list[tuple[str, str]]:
     return fields
 
 
-def inspect_text(entry: Entry, now: datetime, verify_error: str | None, verified: bool) -> str:
+def _lines_restores(entry: Entry, restores: list[dict[str, Any]], now: datetime) -> list[str]:
+    lines = ["Restore with:", f"  {restore_with(entry.id)['podSpec']}"]
+    if not restores:
+        return [*lines, "Restored:   never (on this node)"]
+    rows = [
+        (
+            format_local(str(r.get("restoredAt") or ""), now, seconds=True)
+            if r.get("restoredAt")
+            else "-",
+            _text(r.get("namespace")),
+            _text(r.get("pod")),
+            _text(r.get("container")),
+            _text(r.get("containerId")),
+            _text(r.get("node")),
+            "by hand" if r.get("byHand") else "label",
+        )
+        for r in restores
+    ]
+    table = render_table(("RESTORED", "NAMESPACE", "POD", "CONTAINER", "TASK", "NODE", "HOW"), rows)
+    return [*lines, f"Restored:   {len(restores)} time(s)"] + ["  " + x for x in table.splitlines()]
+
+
+def inspect_text(
+    entry: Entry,
+    now: datetime,
+    verify_error: str | None,
+    verified: bool,
+    restores: list[dict[str, Any]] | None = None,
+) -> str:
     meta = entry.metadata
     fields = _fields(entry, now)
     if "terminal" in meta:
@@ -335,6 +383,7 @@ def inspect_text(entry: Entry, now: datetime, verify_error: str | None, verified
     lines += _lines_layers(entry)
     lines += _lines_versions(meta.get("versions"))
     lines += _lines_network(meta.get("network"))
+    lines += _lines_restores(entry, restores or [], now)
     others = sorted(k for k in meta if k not in _SHOWN_KEYS)
     if others:
         lines.append("Other metadata:")
@@ -357,6 +406,7 @@ def _what_verified(entry: Entry) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     store = open_store(args)
     entry = get_entry(store, args.id)
+    restores = _restores(store, entry)
     verify_error: str | None = None
     if args.verify:
         try:
@@ -368,16 +418,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             **list_item(entry),
             "manifestDigest": entry.manifest_digest,
             "metadata": dict(entry.metadata),
+            "restores": restores,
         }
         if args.verify:
             doc["verify"] = {"ok": verify_error is None, "error": verify_error}
         _write_json(doc)
     else:
-        sys.stdout.write(inspect_text(entry, utcnow(), verify_error, args.verify))
+        sys.stdout.write(inspect_text(entry, utcnow(), verify_error, args.verify, restores))
     if verify_error is not None:
         sys.stderr.write(f"cedana: checkpoint {entry.id} is damaged: {verify_error}\n")
         return 1
     return 0
+
+
+def _restores(store: Store, entry: Entry) -> list[dict[str, Any]]:
+    """What was restored from ``entry``; unreadable records are said, not fatal."""
+    try:
+        return store.restores(entry.id)
+    except (errors.ShimError, OSError) as err:
+        sys.stderr.write(f"cedana: cannot read the restore records of {entry.id}: {err}\n")
+        return []
 
 
 # -- rm and prune ----------------------------------------------------------------------------

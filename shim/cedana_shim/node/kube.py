@@ -1,4 +1,4 @@
-"""The three Kubernetes API calls the helper makes, behind a small typed surface.
+"""The Kubernetes API calls the helper makes, behind a small typed surface.
 
 The rest of the package sees plain JSON dicts and two exceptions; which version of
 the ``kubernetes`` client is installed (typed models or not) stays in this file.
@@ -19,12 +19,30 @@ class Conflict(KubeError):
     """The object changed since it was read (HTTP 409): read again and retry."""
 
 
+class Rejected(KubeError):
+    """The API server refused the request itself (HTTP 4xx): retrying cannot help."""
+
+
+class Missing(Rejected):
+    """No such object (HTTP 404)."""
+
+
 class NodeApi(Protocol):
     def get_node(self, name: str) -> dict[str, Any]: ...
 
     def patch_node(self, name: str, patch: dict[str, Any]) -> dict[str, Any]: ...
 
     def list_pods(self, namespace: str, node: str, label_selector: str) -> list[dict[str, Any]]: ...
+
+
+class EventApi(Protocol):
+    def create_event(self, namespace: str, event: dict[str, Any]) -> None:
+        """Post a core/v1 Event; one of that name already there counts as posted."""
+        ...
+
+    def pod_uid(self, namespace: str, name: str) -> str:
+        """The uid of a pod; "" when there is no such pod."""
+        ...
 
 
 class KubernetesApi:
@@ -60,6 +78,10 @@ class KubernetesApi:
             reason = getattr(err, "reason", "") or ""
             if status == 409:
                 raise Conflict(f"{what}: conflict ({reason})") from None
+            if status == 404:
+                raise Missing(f"{what}: not found") from None
+            if isinstance(status, int) and 400 <= status < 500:
+                raise Rejected(f"{what}: HTTP {status} {reason}".strip()) from None
             raise KubeError(f"{what}: HTTP {status} {reason}".strip()) from None
         except OSError as err:  # urllib3 wraps connection failures in OSError subclasses
             raise KubeError(f"{what}: {err}") from None
@@ -92,3 +114,29 @@ class KubernetesApi:
         )
         items: list[dict[str, Any]] = [self._plain(p) for p in pods.items]
         return items
+
+    def create_event(self, namespace: str, event: dict[str, Any]) -> None:
+        name = event.get("metadata", {}).get("name", "")
+        try:
+            self._call(
+                f"POST event {name} in {namespace}",
+                self._core.create_namespaced_event,
+                namespace,
+                event,
+            )
+        except Conflict:
+            return  # posted by an earlier round whose answer was lost
+
+    def pod_uid(self, namespace: str, name: str) -> str:
+        try:
+            pod = self._plain(
+                self._call(
+                    f"GET pod {name} in {namespace}",
+                    self._core.read_namespaced_pod,
+                    name,
+                    namespace,
+                )
+            )
+        except Missing:
+            return ""
+        return str((pod.get("metadata") or {}).get("uid") or "")

@@ -6,6 +6,9 @@
    that CRI still lists the handler, and patch the taint/label to match ``taint.decide``.
    The install runs again every ``reinstall_interval`` to repair drift (someone
    rewrote containerd's config), and at once after a failed attempt.
+
+Beside the loop, in threads of their own (:func:`in_background`), run what must not
+wait for the install: the shims' operation records becoming pod Events and metrics.
 """
 
 from __future__ import annotations
@@ -123,6 +126,26 @@ def run_loop(
             break
         stop.wait(interval)
     return 0
+
+
+def in_background(
+    chore: Callable[[], object], *, interval: float, stop: Stop, name: str
+) -> threading.Thread:
+    """Run ``chore`` every ``interval`` in a thread of its own until ``stop``, whatever
+    the install's state (the shims installed earlier still report what they do). An
+    unexpected failure is logged and the next round runs as usual."""
+
+    def loop() -> None:
+        while not stop.event.is_set():
+            try:
+                chore()
+            except Exception:
+                log.exception("%s failed; retrying next round", name)
+            stop.wait(interval)
+
+    thread = threading.Thread(target=loop, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 def _reconcile(controller: TaintController, local: taint.Local) -> None:

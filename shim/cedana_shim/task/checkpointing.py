@@ -32,7 +32,9 @@ from typing import Any, Protocol
 from google.protobuf.message import Message
 
 from ..api.cedana.v1 import cedana_pb2 as cedana_ev
+from ..api.containerd.events import task_pb2 as task_ev
 from ..bundle_state import clear_stopping, mark_stopping
+from ..checkpoint import op_records, oplog
 from ..checkpoint.pipeline import Dump, DumpRequest, Pipeline, Target
 from ..checkpoint.policy import Mode, Policy, parse_duration
 from ..checkpoint.restore import RestoreReport, RestoreSession
@@ -78,7 +80,7 @@ class CheckpointManager:
             policy = replace(policy, interval=interval)
         cr = Checkpointing(container_id, policy, pipeline, self)
         restore = None
-        if policy.mode is Mode.AUTO:
+        if policy.restores:  # by label (auto), or by hand (CEDANA_RESTORE)
             restore = RestoreSession(
                 store=pipeline.store,
                 hooks=pipeline.hooks,
@@ -86,7 +88,7 @@ class CheckpointManager:
                 config=config,
                 policy=policy,
                 container_id=container_id,
-                report=self.report_restore,
+                report=lambda report: self.report_restore(report, pipeline, policy),
                 writing_here=self.writing,
                 remote=pipeline.remote if config.registry else None,
             )
@@ -113,18 +115,29 @@ class CheckpointManager:
 
     # -- restores ----------------------------------------------------------------
 
-    def report_restore(self, report: RestoreReport) -> None:
+    def report_restore(self, report: RestoreReport, pipeline: Pipeline, policy: Policy) -> None:
+        record = op_records.restore_record(report, policy, pipeline.versions.values)
         log_fn = log.warning if report.alarming else log.info
+        if report.checkpoint_id:
+            message = "restored from checkpoint"
+        elif report.outcome == "failed":
+            message = "restore refused: the container does not start"
+        else:
+            message = "starting cold"
         log_fn(
-            "restored from checkpoint" if report.checkpoint_id else "starting cold",
+            message,
             extra={
                 "container": report.container_id,
                 "label": report.label,
                 "scope": report.scope,
                 "checkpoint": report.checkpoint_id,
+                "outcome": record.outcome,
                 "why": report.detail,
+                "seconds": record.duration_seconds,
+                "phases": record.phases,
             },
         )
+        oplog.write(pipeline.store.root, record)
         self.publish(
             cedana_ev.RestoreOutcome(
                 container_id=report.container_id,
@@ -172,8 +185,12 @@ class CheckpointManager:
         task.add_done_callback(self._sweeps.discard)
 
     async def _compact(self, pipeline: Pipeline, checkpoint_id: str) -> None:
+        clock = oplog.PhaseClock()
+        entry: Entry | None = None
+        outcome, error = "done", ""
         try:
-            entry = await pipeline.compact(checkpoint_id)
+            with clock.phase("compress"):
+                entry = await pipeline.compact(checkpoint_id)
         except (ShimError, OSError) as err:
             # The raw checkpoint stays valid and restorable; compaction is retried by
             # the next daemon that finds it.
@@ -181,24 +198,39 @@ class CheckpointManager:
                 "checkpoint compaction failed; it stays uncompressed",
                 extra={"checkpoint": checkpoint_id, "error": str(err)},
             )
-            return
+            outcome, error = "failed", str(err)
+        else:
+            if entry is None:
+                return  # nothing to do (compacted already, or gone)
+        total, phases = clock.finish()
         if entry is not None:
             log.info(
                 "checkpoint compacted",
-                extra={"checkpoint": checkpoint_id, "size": entry.size, "label": entry.label},
+                extra={
+                    "checkpoint": checkpoint_id,
+                    "size": entry.size,
+                    "label": entry.label,
+                    "seconds": total,
+                },
             )
+        await self._record_background(
+            pipeline, oplog.COMPACTION, outcome, [(checkpoint_id, error)], total, phases, entry
+        )
 
     async def _push(self, pipeline: Pipeline, ids: list[str] | None) -> None:
         """Push pending checkpoints (``ids``, or all the outbox holds) to the registry; a
         failure leaves them pending for the next daemon or the node agent."""
+        clock = oplog.PhaseClock()
         try:
-            result = await asyncio.to_thread(pipeline.push_pending, ids)
+            with clock.phase("push"):
+                result = await asyncio.to_thread(pipeline.push_pending, ids)
         except (ShimError, OSError) as err:
             log.warning(
                 "cannot push checkpoints to the registry; they stay pending",
                 extra={"checkpoints": ids, "registry": pipeline.config.registry, "error": str(err)},
             )
             return
+        total, phases = clock.finish()
         # Each push logs itself ("checkpoint pushed", with its tag).
         for checkpoint_id, error in result.failed:
             log.warning(
@@ -209,6 +241,32 @@ class CheckpointManager:
                     "error": error,
                 },
             )
+        # One sync may push several (a sweep): each gets the sync's time, which is
+        # exact for the usual push of the checkpoint just committed.
+        pushed = [(checkpoint_id, "") for checkpoint_id in result.pushed]
+        await self._record_background(pipeline, oplog.PUSH, "done", pushed, total, phases)
+        await self._record_background(pipeline, oplog.PUSH, "failed", result.failed, total, phases)
+
+    async def _record_background(
+        self,
+        pipeline: Pipeline,
+        kind: str,
+        outcome: str,
+        done: list[tuple[str, str]],  # (checkpoint id, error)
+        total: float,
+        phases: dict[str, float],
+        entry: Entry | None = None,
+    ) -> None:
+        def write() -> None:
+            for checkpoint_id, error in done:
+                record = op_records.background_record(
+                    pipeline.store, kind, outcome, checkpoint_id, total, phases,
+                    entry=entry, detail=error,
+                )  # fmt: skip
+                oplog.write(pipeline.store.root, record)
+
+        if done:
+            await asyncio.to_thread(write)
 
     async def drain(self, timeout: float) -> None:
         """Let compactions of this daemon's checkpoints finish before it exits; the
@@ -233,6 +291,7 @@ class Checkpointing:
     _periodic: asyncio.Task[None] | None = None
     _after_commit: asyncio.Task[None] | None = None  # compaction, then the push
     _hurry: asyncio.Event = field(default_factory=asyncio.Event)  # SIGKILL after durable
+    _pod_uid: str = ""  # from the spec's CRI annotations, when the CRI made the container
 
     @property
     def config(self) -> NodeConfig:
@@ -456,11 +515,16 @@ class Checkpointing:
     # -- the steps every checkpoint shares -----------------------------------------
 
     async def _dump(self, target: Target, request: DumpRequest) -> Dump:
+        clock = oplog.PhaseClock()
+        self._pod_uid = op_records.pod_uid(target.spec)
         self._dumping = asyncio.get_running_loop().create_task(self.pipeline.dump(target, request))
         try:
             try:
                 async with asyncio.timeout(self.config.checkpoint_timeout):
-                    return await self._dumping
+                    dump = await self._dumping
+                    # The operation began before the store staged the dump.
+                    dump.clock.started = clock.started
+                    return dump
             except TimeoutError:
                 raise DeadlineExceeded(
                     f"checkpoint of container {self.container_id} took longer than "
@@ -477,17 +541,19 @@ class Checkpointing:
                     "container was killed while it was being dumped"
                 ) from None
         except BaseException as err:
-            self._failed(request.reason, err)
+            self._failed(request.reason, err, clock)
             raise
         finally:
             self._dumping = None
 
     async def _publish(self, dump: Dump, reason: str) -> Entry:
         try:
-            entry = await self.pipeline.publish(dump)
+            with dump.clock.phase("commit"):
+                entry = await self.pipeline.publish(dump)
         except BaseException as err:
-            self._failed(reason, err)
+            self._failed(reason, err, dump.clock)
             raise
+        total, phases = dump.clock.finish()
         log.info(
             "checkpoint committed",
             extra={
@@ -497,8 +563,14 @@ class Checkpointing:
                 "label": self.policy.label,
                 "scope": self.policy.scope,
                 "size": entry.size,
+                "seconds": total,
+                "phases": phases,
             },
         )
+        await asyncio.to_thread(
+            self._record, "committed", reason, total, phases, checkpoint_id=entry.id,
+            size=entry.size,
+        )  # fmt: skip
         self.manager.publish(
             cedana_ev.CheckpointCommitted(
                 container_id=self.container_id,
@@ -508,6 +580,10 @@ class Checkpointing:
                 reason=reason,
                 size=entry.size,
             )
+        )
+        # containerd's own topic, as its runc shim publishes after a checkpoint.
+        self.manager.publish(
+            task_ev.TaskCheckpointed(container_id=self.container_id, checkpoint=entry.id)
         )
         if self.config.registry:
             await self._record_push(entry)
@@ -532,8 +608,28 @@ class Checkpointing:
                 extra={"checkpoint": entry.id, "error": str(err)},
             )
 
-    def _failed(self, reason: str, err: BaseException) -> None:
+    def _record(
+        self,
+        outcome: str,
+        trigger: str,
+        total: float,
+        phases: dict[str, float],
+        *,
+        checkpoint_id: str = "",
+        size: int = 0,
+        detail: str = "",
+    ) -> None:
+        """The operation's record for the node agent (Events, metrics)."""
+        record = op_records.checkpoint_record(
+            self.container_id, self.policy, pod_uid=self._pod_uid, outcome=outcome,
+            trigger=trigger, total=total, phases=phases, versions=self.pipeline.versions.values,
+            checkpoint_id=checkpoint_id, size=size, detail=detail,
+        )  # fmt: skip
+        oplog.write(self.pipeline.store.root, record)
+
+    def _failed(self, reason: str, err: BaseException, clock: oplog.PhaseClock) -> None:
         what = "cancelled" if isinstance(err, asyncio.CancelledError) else str(err)
+        total, phases = clock.finish()
         log.error(
             "checkpoint failed",
             extra={
@@ -541,8 +637,12 @@ class Checkpointing:
                 "reason": reason,
                 "error": what,
                 "label": self.policy.label,
+                "seconds": total,
+                "phases": phases,
             },
         )
+        # Written here, synchronously: a failure may be the last thing this shim does.
+        self._record("failed", reason, total, phases, detail=what)
         self.manager.publish(
             cedana_ev.CheckpointFailed(
                 container_id=self.container_id,
@@ -577,4 +677,9 @@ def require_enabled(cr: Checkpointing | None, container_id: str) -> Checkpointin
     return cr
 
 
-__all__ = ["CheckpointManager", "Checkpointing", "PipelineSource", "require_enabled"]
+__all__ = [
+    "CheckpointManager",
+    "Checkpointing",
+    "PipelineSource",
+    "require_enabled",
+]

@@ -50,6 +50,7 @@ from .layout import (
 from .model import Entry, LayerInfo, RepairReport, State, StepHook, StoreConfig
 from .rawfiles import verify_files
 from .repair import rebuild
+from .restores import sweep_records
 
 __all__ = ["Catalog", "newest_first"]
 
@@ -402,6 +403,7 @@ class Catalog(StoreCore):
                     cached.add(ref.id)
         with self._dir("raw") as raw:
             freed += gc.sweep_raw(raw, whole=whole, cached=cached)
+        freed += sweep_records(self._root_fd, {ref.id for ref in index.checkpoints})
         # The previous format's raw-image cache (a symlink is unlinked, not followed).
         freed += fsutil.remove_entry(self._root_fd, "cache")
         return freed

@@ -39,7 +39,18 @@ INDEX_DAMAGED_PREFIX: Final = "index.json.damaged-"
 # What a store root may hold. "cache" is the raw-image cache of the previous
 # format: garbage now, removed by gc.
 LAYOUT_NAMES: Final = frozenset(
-    {"oci-layout", INDEX, "index.lock", "blobs", "ingest", "raw", "damaged", "spool", "cache"}
+    {
+        "oci-layout",
+        INDEX,
+        "index.lock",
+        "blobs",
+        "ingest",
+        "raw",
+        "damaged",
+        "spool",
+        "cache",
+        "restores",
+    }
 )
 # Smaller chunks are allowed for tests; a real store wants MiBs (one blob each).
 MIN_CHUNK_BYTES: Final = 4096

@@ -125,6 +125,17 @@ class Reader(Catalog):
                 raise errors.InvalidArgument(why)
         return self.list(scope=scope, label=label)
 
+    def matching(self, scope: str, ref: str) -> _Entries:
+        """Checkpoints of ``scope`` whose id is ``ref`` (that one alone) or starts with
+        it, newest first. Another scope's checkpoints are never looked at."""
+        if (why := check_scope_or_label("scope", scope)) is not None:
+            raise errors.InvalidArgument(why)
+        if not ref:
+            return []
+        entries = self.list(scope=scope)
+        exact = [e for e in entries if e.id == ref]
+        return exact or [e for e in entries if e.id.startswith(ref)]
+
     def get(self, checkpoint_id: str) -> Entry:
         if (why := check_checkpoint_id(checkpoint_id)) is not None:
             raise errors.InvalidArgument(why)

@@ -18,6 +18,7 @@ Layout under ``root`` (0700, every file 0600; checkpoints hold process memory)::
     ingest/compact-<id>-*/  a compaction's work dir (same lock protocol)
     damaged/<id>/           raw checkpoints whose files failed their check
     spool/                  private temp space on this filesystem (restores)
+    restores/<id>.jsonl     what was restored from a checkpoint, and when (restores.py)
 
 A checkpoint becomes visible in two steps. ``publish`` (writer.py) is the
 durable point, and fast: the staged files are sealed where they are and moved
@@ -51,12 +52,13 @@ from .maintenance import Maintenance
 from .model import Entry
 from .raw import RawImages
 from .reader import Reader
+from .restores import RestoreRecords
 from .writer import Writer
 
 __all__ = ["Store"]
 
 
-class Store(Writer, Compactor, Reader, RawImages, Maintenance, Adopter):
+class Store(Writer, Compactor, Reader, RawImages, Maintenance, Adopter, RestoreRecords):
     def commit(self, ingest: Ingest) -> Entry:
         """publish + compact, blocking: for callers with no background to compact in.
 

@@ -1,0 +1,133 @@
+"""The node agent's side of the operations spool (written by checkpoint/oplog.py).
+
+Every round, :class:`OpsObserver` takes the records the shims left in
+``<store>/ops/``, oldest first: posts each one's pod Events, counts it in the
+metrics, then deletes it. An API server that cannot be reached (or answers 5xx)
+ends the round with the record kept, so its Events are posted by a later round and
+it is counted once, when it is consumed; one the API server refuses (4xx) is
+logged and consumed. The store's size, count and pending pushes are read too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+
+from ..checkpoint import oplog
+from ..checkpoint.remote import Outbox
+from ..checkpoint.store import Store, StoreConfig
+from ..config import load_node_config
+from ..errors import ShimError
+from .hostfs import HostRoot
+from .kube import EventApi, KubeError, Rejected
+from .kube_events import events_for
+from .metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
+
+MAX_RECORD_BYTES = 1 << 20
+
+
+def node_store_root(host: HostRoot, shim_config: str) -> str | None:
+    """The checkpoint store of the node config, as this process sees it; None
+    (logged) when the config cannot be read."""
+    try:
+        config = load_node_config(host.path(shim_config), env={})
+    except ShimError as err:
+        log.warning("cannot read the node config %s: %s", shim_config, err)
+        return None
+    return host.path(config.store_path)
+
+
+@dataclass
+class OpsObserver:
+    api: EventApi | None  # None: metrics only (no Kubernetes API)
+    metrics: AgentMetrics
+    node: str
+
+    def round(self, store_root: str) -> int:
+        """Consume the spool and refresh the store's gauges; the records consumed."""
+        consumed = self.consume(oplog.spool_path(store_root))
+        self.refresh_store(store_root)
+        return consumed
+
+    def consume(self, spool: str) -> int:
+        done = 0
+        for name in oplog.records(spool):
+            path = os.path.join(spool, name)
+            record = self._read(path)
+            if record is not None:
+                try:
+                    self._post(record, name)
+                except KubeError as err:
+                    log.warning("cannot post pod events now, next round retries: %s", err)
+                    break
+                self.metrics.observe(record)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            done += 1
+        self._take_dropped(spool)
+        return done
+
+    def _read(self, path: str) -> oplog.OpRecord | None:
+        try:
+            with open(path, "rb") as f:
+                record = oplog.parse(f.read(MAX_RECORD_BYTES))
+        except OSError as err:
+            log.warning("cannot read operation record %s: %s", path, err)
+            record = None
+        if record is None:
+            self.metrics.records_lost.labels("unreadable").inc()
+            log.warning("operation record %s is not one; deleted", path)
+        return record
+
+    def _post(self, record: oplog.OpRecord, name: str) -> None:
+        if self.api is None:
+            return
+        events = events_for(record, name, self.node)
+        if events and not record.pod_uid:
+            # `kubectl describe pod` lists the Events that name the pod's uid.
+            try:
+                uid = self.api.pod_uid(record.namespace, record.pod)
+            except Rejected as err:
+                log.warning("cannot look up the pod's uid, events go without it: %s", err)
+                uid = ""
+            for event in events:
+                if uid:
+                    event["involvedObject"]["uid"] = uid
+        for event in events:
+            try:
+                self.api.create_event(record.namespace, event)
+            except Rejected as err:
+                log.warning("pod event refused by the API server, dropped: %s", err)
+
+    def _take_dropped(self, spool: str) -> None:
+        if not os.path.exists(os.path.join(spool, oplog.DROPPED_FILE)):
+            return
+        try:
+            with oplog.locked(spool):
+                dropped = oplog.read_dropped(spool)
+                os.unlink(os.path.join(spool, oplog.DROPPED_FILE))
+        except OSError as err:
+            log.warning("cannot read the spool's drop counter: %s", err)
+            return
+        if dropped:
+            self.metrics.records_lost.labels("spool_full").inc(dropped)
+            log.warning("%d operation records were dropped from a full spool", dropped)
+
+    def refresh_store(self, store_root: str) -> None:
+        if not os.path.isdir(store_root):
+            return  # no checkpoint was ever taken on this node
+        try:
+            entries = Store(StoreConfig(root=store_root)).list()
+            pending = Outbox(store_root).pending()
+        except (ShimError, OSError) as err:
+            log.warning("cannot read the checkpoint store %s: %s", store_root, err)
+            return
+        self.metrics.store_checkpoints.set(len(entries))
+        # A compacted checkpoint may also keep its raw images (the restore cache).
+        cached = sum(e.raw_bytes for e in entries if e.state == "compacted")
+        self.metrics.store_bytes.set(sum(e.size for e in entries) + cached)
+        self.metrics.pending_pushes.set(len(pending))
