@@ -56,6 +56,7 @@ SOURCES: dict[str, str] = {
     "local/ttrpc_request.proto": "ttrpc/request.proto",
     "local/google_rpc_status.proto": "google_rpc/status.proto",
     "local/bootstrap.proto": "containerd/bootstrap.proto",
+    "local/runtime_info.proto": "containerd/types/introspection.proto",
     "local/cedana.proto": "cedana/v1/cedana.proto",
 }
 # import spellings used upstream that are not the canonical SOURCES keys

@@ -136,6 +136,7 @@ def test_default_render(helm: list[str]) -> None:
     assert "--set=store_path=/var/lib/cedana/checkpoints" in args
     assert "--set=compression_level=3" in args
     assert not any(a.startswith("--kubelet") for a in args)
+    assert "--default-runtime" in args and not any(a.startswith("--runc-binary") for a in args)
     assert not any("checkpoint_interval" in a for a in args)
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
     assert env == {"NODE_NAME": "spec.nodeName", "POD_NAMESPACE": "metadata.namespace"}
@@ -175,6 +176,7 @@ def test_custom_values_flow_into_args(helm: list[str], tmp_path: Path) -> None:
                 "containerd": {"configPath": "/etc/k3s/containerd.toml", "restartCommand": "true"},
                 "criu": {"source": "/opt/criu/criu"},
                 "healthCheck": {"image": "busybox:1.36"},
+                "runtime": {"default": False, "runcBinary": "/usr/bin/nvidia-container-runtime"},
             }
         )
     )
@@ -193,8 +195,11 @@ def test_custom_values_flow_into_args(helm: list[str], tmp_path: Path) -> None:
         "--containerd-config=/etc/k3s/containerd.toml",
         "--restart-command=true",
         "--criu-source=/opt/criu/criu",
+        "--no-default-runtime",
+        "--runc-binary=/usr/bin/nvidia-container-runtime",
     ):
         assert expected in args, (expected, args)
+    assert "--default-runtime" not in args
     helper = daemonset(docs, "helper")["spec"]["template"]["spec"]
     health = daemonset(docs, "health-check")["spec"]["template"]["spec"]
     assert helper["nodeSelector"] == health["nodeSelector"] == {"nvidia.com/gpu.present": "true"}

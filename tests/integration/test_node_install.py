@@ -24,13 +24,17 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cedana_shim.api.cri.v1 import api_pb2 as cri_pb
+from cedana_shim.node import config_blocks
+from cedana_shim.node.registration import RUNC_TYPE, RUNTIME_TYPE, SHIM_BINARY
 
 from .harness import images as harness_images
 from .harness.config import CEDANA, CNI_BIN_DIR, CONTAINERD_VERSIONS, CRIU, ContainerdVersion
 from .harness.containerd import Containerd, _toml_str
+from .harness.cri import CriClient
 
 REPO = Path(__file__).resolve().parents[2]
 VERSIONS = {v.short: v for v in CONTAINERD_VERSIONS}
@@ -93,9 +97,24 @@ class RestartServer:
 class NodeContainerd(Containerd):
     """A harness containerd whose config is the host root's config.toml and whose
     PATH has the host root's /usr/local/bin (where the installer puts the shim) and
-    not the venv (so only an installed shim can serve the cedana handler)."""
+    not the venv (so only an installed shim can serve the cedana handler).
+
+    It runs in a mount namespace of its own whose /usr/local/bin holds only a link to
+    the host root's launcher: the `runtime_path` install registers (containerd >= 1.7)
+    is that host path, /usr/local/bin/containerd-shim-cedana-v2."""
 
     host_root: Path
+
+    def _command(self) -> list[str]:
+        launcher = f"usr/local/bin/{SHIM_BINARY}"
+        script = (
+            "mount -t tmpfs -o size=1m,mode=755 cedana-itest-bin /usr/local/bin && "
+            f'ln -s "$1" /{launcher} && shift && exec "$@"'
+        )
+        return [
+            "unshare", "--mount", "--propagation", "private",
+            "sh", "-c", script, "sh", str(self.host_root / launcher), *super()._command(),
+        ]  # fmt: skip
 
     def _env(self) -> dict[str, str]:
         env = super()._env()
@@ -221,8 +240,8 @@ class Node:
             check=check,
         )  # fmt: skip
 
-    def uninstall(self, *extra: str) -> subprocess.CompletedProcess[str]:
-        return self.cli("uninstall", *self.node_args(), "--json", *extra)
+    def uninstall(self, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.cli("uninstall", *self.node_args(), "--json", *extra, check=check)
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -300,8 +319,20 @@ def _kill_payload_processes(host_root: Path) -> None:
                 os.kill(int(pid), 9)
 
 
-def _run_cri_pod(node: Node, images: harness_images.TestImages) -> None:
+def _cri_config(node: Node) -> dict[str, Any]:
     client = node.containerd.cri()
+    try:
+        status = client.runtime.Status(cri_pb.StatusRequest(verbose=True))
+        config: dict[str, Any] = json.loads(status.info["config"])
+        return config
+    finally:
+        client.close()
+
+
+def _run_cri_pod(node: Node, images: harness_images.TestImages, handler: str = "cedana") -> None:
+    """A pod and a container with `handler` ("": the CRI's default, as for a pod
+    without runtimeClassName) run through the installed shim."""
+    client = CriClient(node.containerd.socket, handler)
     try:
         log_dir = node.containerd.pod_logs / uuid.uuid4().hex[:8]
         with client.pod("node-install", log_dir, host_network=True) as pod:
@@ -311,7 +342,9 @@ def _run_cri_pod(node: Node, images: harness_images.TestImages) -> None:
             status = client.wait_container_state(cid, cri_pb.CONTAINER_RUNNING)
             assert status.state == cri_pb.CONTAINER_RUNNING
             info = client.container_info(cid)
-            assert info.get("runtimeType") == "io.containerd.cedana.v2", info.get("runtimeType")
+            runc_typed = node.containerd.version.major_minor >= (1, 7)
+            expected = RUNC_TYPE if runc_typed else RUNTIME_TYPE
+            assert info.get("runtimeType") == expected, info.get("runtimeType")
             shim_pids = node.containerd.shim_pids("k8s.io", pod.id)
             assert shim_pids, "no shim serves the pod"
             exe = os.readlink(f"/proc/{next(iter(shim_pids))}/exe")
@@ -352,17 +385,24 @@ def test_install_idempotent_uninstall(
             assert "registration (dropin)" in steps, reg
             assert node.config.read_bytes() == original, "a drop-in install edited the main config"
             dropin = node.host_root / "etc/containerd/conf.d/99-cedana.toml"
-            assert b"io.containerd.cedana.v2" in dropin.read_bytes()
+            assert (
+                b'runtime_path = "/usr/local/bin/containerd-shim-cedana-v2"' in dropin.read_bytes()
+            )
         else:
             assert "registration (edit)" in steps, reg
             if variant == "imports":
                 # containerd 1.x would let a drop-in erase the main config's CRI table.
                 assert "replaces a whole plugin table" in reg["detail"]
-            assert node.config.read_bytes().startswith(original)
+            # Our blocks, and nothing else: stripping them gives the node's file back.
+            assert config_blocks.restore_edited(node.config.read_bytes()) == original
         assert steps["probe pod"]["outcome"] == "ok", steps["probe pod"]
         shim = node.host_root / "usr/local/bin/containerd-shim-cedana-v2"
         assert shim.is_symlink() and not os.readlink(shim).startswith("/")
         _run_cri_pod(node, test_images)
+        # On by default: a pod without runtimeClassName goes through the shim too.
+        assert _cri_config(node)["containerd"]["defaultRuntimeName"] == "cedana"
+        assert "cedana (was runc)" in steps["default runtime"]["detail"], steps
+        _run_cri_pod(node, test_images, handler="")
 
         installed = _tree(node.host_root)
         again = json.loads(node.install().stdout)
@@ -372,6 +412,17 @@ def test_install_idempotent_uninstall(
 
         status = json.loads(node.cli("status", *node.node_args()[:4], "--json").stdout)
         assert status["ok"] and status["handler"]["registered"], status
+        assert status["handler"]["default_runtime"] == "cedana", status
+
+        # A pod without runtimeClassName runs under cedana (the default): uninstall
+        # refuses while it runs.
+        client = CriClient(node.containerd.socket, "")
+        try:
+            with client.pod("no-handler", node.containerd.pod_logs / "nh", host_network=True):
+                refused = node.uninstall(check=False)
+                assert refused.returncode != 0 and "/no-handler" in refused.stdout, refused
+        finally:
+            client.close()
 
         removed = json.loads(node.uninstall().stdout)
         assert removed["ok"] and removed["restarted"], removed
@@ -389,8 +440,54 @@ def test_install_idempotent_uninstall(
                 client.runtime.Status(cri_pb.StatusRequest(verbose=True)).info["config"]
             )
             assert "cedana" not in cfg["containerd"]["runtimes"]
+            assert cfg["containerd"]["defaultRuntimeName"] == "runc"
         finally:
             client.close()
+
+
+@pytest.mark.parametrize("short", ["1.7", "2.1"], ids=["ctrd-1.7", "ctrd-2.1"])
+def test_opt_out_of_the_default_runtime_and_a_runc_binary(
+    short: str, test_images: harness_images.TestImages, itest_root: Path, node_payload: Path
+) -> None:
+    """--no-default-runtime leaves the CRI's default as it was; --runc-binary makes the
+    cedana handler run that binary (a wrapper that logs its calls and execs runc, as
+    nvidia-container-runtime does); uninstall restores the config byte for byte."""
+    version = VERSIONS[short]
+    with make_node(version, "runc", test_images, itest_root, node_payload) as node:
+        original = node.config.read_bytes()
+        # A name on containerd's PATH (this host root is not containerd's real root).
+        wrapper = node.host_root / "usr/local/bin/runc-wrapper"
+        log = node.host_root.parent / "runc-wrapper.log"
+        wrapper.parent.mkdir(parents=True, exist_ok=True)
+        wrapper.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {shutil.which("runc")} "$@"\n')
+        wrapper.chmod(0o755)
+        result = json.loads(
+            node.install("--no-default-runtime", "--runc-binary", "runc-wrapper").stdout
+        )
+        steps = {s["name"]: s for s in result["steps"]}
+        assert "--no-default-runtime" in steps["default runtime"]["detail"], steps
+        assert _cri_config(node)["containerd"]["defaultRuntimeName"] == "runc"
+        _run_cri_pod(node, test_images)
+        calls = log.read_text().splitlines()
+        assert any(" create " in f" {c} " for c in calls), calls
+        client = CriClient(node.containerd.socket, "")
+        try:
+            log_dir = node.containerd.pod_logs / uuid.uuid4().hex[:8]
+            with client.pod("opted-out", log_dir, host_network=True) as pod:
+                cid = client.run_container(pod, "plain", test_images.busybox, ["sleep", "60"])
+                assert client.container_info(cid)["runtimeType"] == "io.containerd.runc.v2"
+                shims = node.containerd.shim_pids("k8s.io", pod.id)
+                exe = os.readlink(f"/proc/{next(iter(shims))}/exe")
+                assert exe.endswith("/containerd-shim-runc-v2"), exe
+                client.stop_container(cid, timeout=1)
+        finally:
+            client.close()
+        status = json.loads(node.cli("status", *node.node_args()[:4], "--json").stdout)
+        assert status["registration"]["runc_binary"] == "runc-wrapper", status
+        assert status["handler"]["default_runtime"] == "runc", status
+        removed = json.loads(node.uninstall().stdout)
+        assert removed["ok"], removed
+        assert node.config.read_bytes() == original
 
 
 @pytest.mark.parametrize("short", ["1.6", "2.1"], ids=["ctrd-1.6", "ctrd-2.1"])

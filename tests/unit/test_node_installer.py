@@ -10,11 +10,12 @@ import json
 import os
 import stat
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
 from cedana_shim.node.cli import main
-from cedana_shim.node.hostfs import HostRoot
+from cedana_shim.node.hostfs import STATE_FILE, HostRoot
 
 CONFIG = b"""# the node's own config
 version = 2
@@ -298,3 +299,152 @@ def test_install_builds_the_payload_from_this_python_once(
     assert not (node.host / "opt/cedana.cedana-new").exists()
     assert node.run("uninstall", capsys=capsys)[0] == 0
     assert not (node.host / "opt").exists()
+
+
+def _step(report: dict, name: str) -> dict:
+    return next(s for s in report["steps"] if s["name"] == name)
+
+
+def test_default_runtime_is_on_by_default_and_uninstall_gives_the_old_one_back(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stock = CONFIG.replace(
+        b"  [plugins",
+        b'  [plugins."io.containerd.grpc.v1.cri".containerd]\n    default_runtime_name = "runc"\n'
+        b"  [plugins",
+        1,
+    )
+    (node.host / "etc/containerd/config.toml").write_bytes(stock)
+    code, report, err = node.install(capsys=capsys)
+    assert code == 0, err
+    config = (node.host / "etc/containerd/config.toml").read_bytes()
+    assert b'\n    default_runtime_name = "cedana"\n' in config
+    assert "cedana (was runc)" in _step(report, "default runtime")["detail"]
+    # The file changed after install: uninstall takes out only our blocks, and the
+    # node's line comes back with them.
+    edited = config + b"# the operator's note\n"
+    (node.host / "etc/containerd/config.toml").write_bytes(edited)
+    code, report, err = node.run("uninstall", capsys=capsys)
+    assert code == 0, err
+    restored = (node.host / "etc/containerd/config.toml").read_bytes()
+    assert restored == stock + b"# the operator's note\n"
+
+
+def test_no_default_runtime_leaves_the_default_alone(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, report, err = node.install("--no-default-runtime", capsys=capsys)
+    assert code == 0, err
+    assert b"default_runtime_name" not in (node.host / "etc/containerd/config.toml").read_bytes()
+    assert "--no-default-runtime" in _step(report, "default runtime")["detail"]
+
+
+def test_runc_binary_and_the_nodes_nvidia_runtime_are_reported(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _script(node.host / "usr/bin/containerd", 'echo "containerd x 1.7.24 y"')
+    nvidia = CONFIG + (
+        b'  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]\n'
+        b'    runtime_type = "io.containerd.runc.v2"\n'
+        b'    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia.options]\n'
+        b'      BinaryName = "/usr/bin/nvidia-container-runtime"\n'
+    )
+    (node.host / "etc/containerd/config.toml").write_bytes(nvidia)
+    code, report, err = node.install(capsys=capsys)
+    assert code == 0, err
+    warning = _step(report, "nvidia runtime")
+    assert warning["outcome"] == "warning"
+    assert "--runc-binary /usr/bin/nvidia-container-runtime" in warning["detail"]
+
+    code, report, err = node.install(
+        "--runc-binary", "/usr/bin/nvidia-container-runtime", capsys=capsys
+    )
+    assert code == 1 and "no executable file" in err, "checked before anything changes"
+    _script(node.host / "usr/bin/nvidia-container-runtime", 'exec runc "$@"')
+    code, report, err = node.install(
+        "--runc-binary", "/usr/bin/nvidia-container-runtime", capsys=capsys
+    )
+    assert code == 0, err
+    assert _step(report, "nvidia runtime")["outcome"] == "ok"
+    config = (node.host / "etc/containerd/config.toml").read_bytes()
+    assert b'BinaryName = "/usr/bin/nvidia-container-runtime"' in config.split(b"cedana-shim")[1]
+    main(["status", "--host-root", str(node.host), "--no-cri", "--json"])
+    info = json.loads(capsys.readouterr().out)
+    assert info["registration"]["runc_binary"] == "/usr/bin/nvidia-container-runtime"
+    assert info["registration"]["default_runtime"] == "cedana"
+
+
+def test_taking_the_default_from_the_nvidia_runtime_needs_a_decision(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _script(node.host / "usr/bin/containerd", 'echo "containerd x 1.7.24 y"')
+    gpu_node = CONFIG + (
+        b'  [plugins."io.containerd.grpc.v1.cri".containerd]\n'
+        b'    default_runtime_name = "nvidia"\n'
+        b'  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]\n'
+        b'    runtime_type = "io.containerd.runc.v2"\n'
+        b'    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia.options]\n'
+        b'      BinaryName = "/usr/bin/nvidia-container-runtime"\n'
+    )
+    (node.host / "etc/containerd/config.toml").write_bytes(gpu_node)
+    before = tree(node.host)
+    code, _, err = node.install(capsys=capsys)
+    assert code == 1 and "--runc-binary /usr/bin/nvidia-container-runtime" in err, err
+    assert "--no-default-runtime" in err
+    assert tree(node.host) == before, "refused before anything was written"
+
+    _script(node.host / "usr/bin/nvidia-container-runtime", 'exec runc "$@"')
+    runc = "/usr/bin/nvidia-container-runtime"
+    code, report, err = node.install("--runc-binary", runc, capsys=capsys)
+    assert code == 0, err
+    assert "cedana (was nvidia)" in _step(report, "default runtime")["detail"]
+    code, report, err = node.run("uninstall", capsys=capsys)
+    assert code == 0, err
+    assert (node.host / "etc/containerd/config.toml").read_bytes() == gpu_node
+
+
+def test_the_cgroup_driver_is_reported(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    systemd = CONFIG + (
+        b'    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]\n'
+        b"      SystemdCgroup = true\n"
+    )
+    (node.host / "etc/containerd/config.toml").write_bytes(systemd)
+    code, report, err = node.install(capsys=capsys)  # containerd 1.6: cannot pass it on
+    assert code == 0, err
+    step = _step(report, "cgroup driver")
+    assert step["outcome"] == "warning" and "containerd 1.6" in step["detail"], step
+    _script(node.host / "usr/bin/containerd", 'echo "containerd x 1.7.24 y"')
+    code, report, err = node.install(capsys=capsys)
+    assert code == 0, err
+    assert _step(report, "cgroup driver")["outcome"] == "ok"
+    config = tomllib.loads((node.host / "etc/containerd/config.toml").read_text())
+    cedana = config["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["cedana"]
+    assert cedana["options"] == {"SystemdCgroup": True}
+
+
+def test_containerd_1_7_runs_the_installed_shim_as_a_runc_type_runtime(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _script(node.host / "usr/bin/containerd", 'echo "containerd x 1.7.24 y"')
+    code, _report, err = node.install("--bin-dir", "/opt/bin", capsys=capsys)
+    assert code == 0, err
+    config = tomllib.loads((node.host / "etc/containerd/config.toml").read_text())
+    cedana = config["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["cedana"]
+    assert cedana["runtime_type"] == "io.containerd.runc.v2"
+    assert cedana["runtime_path"] == "/opt/bin/containerd-shim-cedana-v2"
+    assert (node.host / "opt/bin/containerd-shim-cedana-v2").resolve().is_file()
+    state = json.loads((node.host / STATE_FILE.lstrip("/")).read_text())
+    assert state["registration"]["runtime_path"] == "/opt/bin/containerd-shim-cedana-v2"
+    main(["status", "--host-root", str(node.host), "--no-cri", "--bin-dir", "/opt/bin"])
+    assert "shim:          /opt/bin/containerd-shim-cedana-v2 (" in capsys.readouterr().out
+
+
+def test_a_node_config_elsewhere_is_refused_where_no_config_path_reaches_the_shim(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _script(node.host / "usr/bin/containerd", 'echo "containerd x 1.7.24 y"')
+    before = tree(node.host)
+    code, report, _err = node.install("--shim-config", "/etc/other.toml", capsys=capsys)
+    assert code != 0
+    assert "no ConfigPath" in report["error"] and "/etc/cedana/shim.toml" in report["error"]
+    assert tree(node.host) == before

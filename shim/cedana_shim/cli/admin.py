@@ -158,8 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     ck.set_defaults(handler=_handler("checkpoint"))
 
     from cedana_shim.node import cli as node_cli
+    from cedana_shim.slurm import cli as slurm_cli
 
     node_cli.register(commands)
+    slurm_cli.register(commands)
 
     doc = commands.add_parser(
         "doctor",

@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(f"containerd-shim-cedana-v2:\n  Version: {__version__}\n")
         return 0
     if args.info:
-        sys.stderr.write("containerd-shim-cedana-v2: -info is not supported\n")
-        return 2
+        from .info import run_info
+
+        return run_info(_read_stdin())
     if args.action == "start":
         from .start import StartError, run_start
 

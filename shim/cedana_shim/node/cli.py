@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import registration as reg
@@ -114,6 +114,20 @@ def _install_args(p: argparse.ArgumentParser) -> None:
         "--skip-criu-check",
         action="store_true",
         help="install even without CRIU >= 4.1 (checkpoints will fail)",
+    )
+    p.add_argument(
+        "--default-runtime",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="make 'cedana' containerd's default CRI runtime, so CEDANA_CHECKPOINT alone "
+        "opts a container in; pods naming another RuntimeClass keep it (default: on)",
+    )
+    p.add_argument(
+        "--runc-binary",
+        metavar="PATH",
+        help="the runc binary the 'cedana' handler runs (containerd's BinaryName), e.g. "
+        "/usr/bin/nvidia-container-runtime for the NVIDIA toolkit's GPU device injection "
+        "(default: runc; containerd >= 1.7)",
     )
     p.add_argument(
         "--no-dropin",
@@ -239,6 +253,13 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--interval", type=float, default=10.0, metavar="SECONDS")
     p.add_argument("--reinstall-interval", type=float, default=600.0, metavar="SECONDS")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9464,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port, /metrics (default %(default)s; 0: none)",
+    )
     p.add_argument("--kubeconfig", metavar="FILE", help="default: in-cluster credentials")
     p.add_argument("--kube-api", metavar="URL", help="API server URL without credentials")
     p.add_argument(
@@ -270,6 +291,8 @@ def _options(args: argparse.Namespace, **extra: Any) -> Any:
             registry_auth_source=args.registry_auth_source,
             require_criu=not args.skip_criu_check,
             allow_dropin=not args.no_dropin,
+            default_runtime=args.default_runtime,
+            runc_binary=args.runc_binary,
             verify=args.verify,
             probe_image=args.probe_image,
             timeout=args.timeout,
@@ -365,7 +388,7 @@ def _run_helper(args: argparse.Namespace) -> int:
     from .hostfs import HostRoot
     from .installer import install, socket_path
     from .kube import KubernetesApi
-    from .manager import Selectors, Stop, TaintController, run_loop
+    from .manager import Selectors, Stop, TaintController, in_background, run_loop
     from .taint import Local
     from .uninstaller import uninstall
 
@@ -403,6 +426,7 @@ def _run_helper(args: argparse.Namespace) -> int:
 
         push_pending(HostRoot(opts.host_root), opts.shim_config)
 
+    in_background(_observer(args, api, opts), interval=args.interval, stop=stop, name="observer")
     return run_loop(
         controller,
         do_install,
@@ -412,6 +436,37 @@ def _run_helper(args: argparse.Namespace) -> int:
         stop=stop,
         chores=(pending_pushes,),
     )
+
+
+def _observer(args: argparse.Namespace, api: Any, opts: Any) -> Callable[[], None]:
+    """The chore that turns the shims' operation records into pod Events and
+    metrics; starts the metrics server (``--metrics-port``)."""
+    from prometheus_client import start_http_server
+
+    from .hostfs import HostRoot
+    from .metrics import AgentMetrics
+    from .ops_spool import OpsObserver, node_store_root
+    from .report import NodeError
+
+    metrics = AgentMetrics()
+    if args.metrics_port:
+        try:
+            start_http_server(args.metrics_port, registry=metrics.registry)
+        except OSError as err:
+            raise NodeError(
+                f"cannot serve metrics on port {args.metrics_port}: {err.strerror}; "
+                "choose another --metrics-port (0: no metrics)"
+            ) from None
+        logging.getLogger("cedana.node").info("metrics on :%d/metrics", args.metrics_port)
+    observer = OpsObserver(api, metrics, args.node_name)
+    host = HostRoot(opts.host_root)
+
+    def observe() -> None:
+        store_root = node_store_root(host, opts.shim_config)
+        if store_root is not None:
+            observer.round(store_root)
+
+    return observe
 
 
 def _main_config(opts: Any) -> dict[str, Any]:

@@ -16,28 +16,38 @@ says. The rules come from how containerd really loads its config (verified again
   options...) whenever some earlier file configures the CRI plugin. There the
   runtime tables go into the last file that configures the CRI plugin instead, as a
   marked block appended to it (removable without touching anything else).
+- the CRI's default runtime is ``default_runtime_name`` in the CRI plugin's
+  ``containerd`` table (both schemas). Where the file being edited already defines
+  that table, the key goes into it as a marked inline block; one that replaces the
+  node's own line keeps that line, commented, and stripping the block puts it back.
+- from containerd 1.7 the ``cedana`` handler is a runc-type runtime whose
+  ``runtime_path`` is our shim (``registration.RUNC_TYPE`` says why), so its
+  ``options`` are runc's: no ``ConfigPath``, and the shim reads the default node
+  config. containerd 1.6 ignores ``runtime_path``: there the handler keeps the shim's
+  own type, and its options only ``ConfigPath``.
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import posixpath
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
 from . import registration as reg
+from .config_blocks import (
+    BLOCK_BEGIN,
+    BLOCK_END,
+    append_block,
+    has_block,
+    set_default_inline,
+    strip_block,
+)
 
-BLOCK_BEGIN: Final = (
-    "# >>> cedana-shim: added by `cedana node install`; `cedana node uninstall` removes it"
-)
-BLOCK_END: Final = "# <<< cedana-shim"
-_BLOCK_RE = re.compile(
-    r"\n?" + re.escape(BLOCK_BEGIN) + r"\n.*?^" + re.escape(BLOCK_END) + r"\n?",
-    re.DOTALL | re.MULTILINE,
-)
 DROPIN_NAMES: Final = ("99-cedana.toml", "cedana.toml", "99-cedana.conf", "cedana.conf", "cedana")
 _VERSION_RE = re.compile(r"\bv?(\d+)\.(\d+)\.(\d+)")
 
@@ -79,6 +89,26 @@ class Plan:
     target: str  # the file written (or, for "present", the file that already registers it)
     content: bytes | None  # the target's new content; None for "present"
     reasons: tuple[str, ...] = field(default=())
+    # The CRI's default runtime before install, and whether install makes it cedana.
+    previous_default: str = "runc"
+    default_runtime: bool = False
+    # The node's `nvidia` runtime and the runc binary it names ("" = runc), if any.
+    nvidia_binary: str | None = None
+    # The node's runc uses the systemd cgroup driver; why cedana's cannot, if so.
+    systemd_cgroup: bool = False
+    systemd_cgroup_lost: str | None = None
+    # The shim binary the handler runs as a runc-type runtime; None: by its own type.
+    shim_path: str | None = None
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What the registration asks of containerd."""
+
+    shim_config: str = reg.DEFAULT_SHIM_CONFIG
+    shim_path: str = reg.DEFAULT_SHIM_PATH  # the shim binary as containerd sees it
+    default_runtime: bool = False  # make `cedana` the CRI's default runtime
+    runc_binary: str | None = None  # BinaryName for the `cedana` handler
 
 
 def parse_containerd_version(text: str) -> tuple[int, int, int] | None:
@@ -102,23 +132,6 @@ def parse(file: ConfigFile) -> dict[str, Any]:
             f"{file.name} is not valid TOML ({err}); containerd cannot read it either: "
             "fix it and run the install again (nothing was changed)"
         ) from None
-
-
-def strip_block(text: str) -> str:
-    """``text`` without the block a previous install appended."""
-    return _BLOCK_RE.sub("", text, count=1)
-
-
-def has_block(text: str) -> bool:
-    return _BLOCK_RE.search(text) is not None
-
-
-def append_block(text: str, version: int, shim_config: str, *, default_runc: bool = False) -> str:
-    base = strip_block(text)
-    if base and not base.endswith("\n"):
-        base += "\n"
-    tables = reg.render_tables(version, shim_config, default_runc=default_runc)
-    return f"{base}\n{BLOCK_BEGIN}\n{tables}{BLOCK_END}\n"
 
 
 def import_patterns(
@@ -200,22 +213,41 @@ def config_version(
 
 
 def plan_registration(
-    snap: Snapshot, shim_config: str = reg.DEFAULT_SHIM_CONFIG, *, allow_dropin: bool = True
+    snap: Snapshot, wanted: Wanted = Wanted(), *, allow_dropin: bool = True
 ) -> Plan:
-    """Decide where the runtime tables go. Raises ConfigError for a config that cannot
-    be used (invalid TOML, wrong version, a conflicting hand-made ``cedana`` runtime)."""
+    """Decide where the runtime tables (and the default runtime) go. Raises
+    ConfigError for a config that cannot be used (invalid TOML, wrong version, a
+    conflicting hand-made ``cedana`` runtime, options containerd cannot pass on)."""
     main_text = snap.main.data.decode() if snap.main.data is not None else None
     main_parsed = parse(snap.main)
     version = config_version(snap.main, main_parsed, snap.containerd_version)
-    wanted = reg.runtime_table(version, shim_config)
+    ctrd = snap.containerd_version
+    shim_path = wanted.shim_path if reg.honours_runtime_path(ctrd, version) else None
+    _check_options(wanted, ctrd, runc_typed=shim_path is not None)
     rt_path = (*reg.runtimes_path(version), reg.HANDLER)
+    default_path = (*reg.containerd_path(version), reg.DEFAULT_RUNTIME_KEY)
+    runc_options: dict[str, Any] = {}
+    if wanted.runc_binary:
+        runc_options["BinaryName"] = wanted.runc_binary
+
+    def render(*, runtime: bool, default: bool, default_runc: bool, dropin: bool = False) -> str:
+        renderer = reg.render_dropin if dropin else reg.render_tables
+        return renderer(
+            version,
+            shim_path,
+            wanted.shim_config,
+            default_runc=default_runc,
+            runc_options=runc_options,
+            default_runtime=default,
+            runtime=runtime,
+        )
 
     deep_merge = (
         snap.containerd_version[0] >= 2 if snap.containerd_version is not None else version >= 3
     )
     if main_text is None:
         content = f"version = {version}\n\n{BLOCK_BEGIN}\n"
-        content += reg.render_tables(version, shim_config, default_runc=not deep_merge)
+        content += render(runtime=True, default=wanted.default_runtime, default_runc=not deep_merge)
         content += f"{BLOCK_END}\n"
         return Plan(
             "create",
@@ -223,45 +255,85 @@ def plan_registration(
             snap.main.path,
             content.encode(),
             (f"{snap.main.path} does not exist: containerd runs on defaults; creating it",),
+            default_runtime=wanted.default_runtime,
+            shim_path=shim_path,
         )
 
-    # Our own block is ours to rewrite: judge the files as they were before it.
+    # Our own blocks are ours to rewrite: judge the files as they were before them.
     files: list[tuple[ConfigFile, dict[str, Any], str]] = []
     for file in (snap.main, *snap.imported):
         text = file.data.decode(errors="replace") if file.data is not None else ""
         own = has_block(text)
+        if own:
+            text = strip_block(text)
         parsed = main_parsed if file is snap.main and not own else None
         if parsed is None:
-            parsed = parse(ConfigFile(file.path, strip_block(text).encode(), file.shown))
+            parsed = parse(ConfigFile(file.path, text.encode(), file.shown))
         files.append((file, parsed, text))
+    cri = [(f, p) for f, p, _ in files if _get(p, ("plugins", reg.CRI_PLUGIN[version])) is not None]
+    before = _merged([(f, p) for f, p, _ in files], deep_merge)
+    previous_default = _get(before, default_path) or "runc"
+    nvidia = _get(before, (*reg.runtimes_path(version), reg.NVIDIA_HANDLER))
+    systemd = _node_systemd_cgroup(before, version, previous_default)
+    cgroup_note = None
+    if systemd and shim_path is None and not _passes_options_table(ctrd):
+        cgroup_note = "containerd 1.6 passes a non-runc runtime only its ConfigPath"
+    elif systemd and shim_path is None and wanted.shim_config != reg.DEFAULT_SHIM_CONFIG:
+        cgroup_note = "--shim-config is not the default: ConfigPath stays, SystemdCgroup cannot"
+    elif systemd:
+        runc_options["SystemdCgroup"] = True
+    table = reg.runtime_table(version, shim_path, runc_options, wanted.shim_config)
+    found = Plan(
+        "present",
+        version,
+        snap.main.path,
+        None,
+        previous_default=previous_default,
+        default_runtime=wanted.default_runtime,
+        nvidia_binary=_binary_name(nvidia) if isinstance(nvidia, Mapping) else None,
+        systemd_cgroup=systemd,
+        systemd_cgroup_lost=cgroup_note,
+        shim_path=shim_path,
+    )
 
+    present = None
     for file, parsed, _ in files:
         existing = _get(parsed, rt_path)
         if existing is None:
             continue
-        if _same_registration(existing, wanted):
-            return Plan(
-                "present",
-                version,
-                file.path,
-                None,
-                (f"{file.path} already registers the {reg.HANDLER!r} runtime; left as it is",),
+        if not _same_registration(existing, table):
+            raise ConfigError(
+                f"{file.name} already defines a {reg.HANDLER!r} runtime that differs from "
+                f"cedana's ({'.'.join(rt_path)}): remove that table (or make it match "
+                f"runtimeclass/containerd-config-v{version}.toml) and run the install again"
             )
-        raise ConfigError(
-            f"{file.name} already defines a {reg.HANDLER!r} runtime that differs from "
-            f"cedana's ({'.'.join(rt_path)}): remove that table (or make it match "
-            f"runtimeclass/containerd-config-v{version}.toml) and run the install again"
+        present = file
+    default_done = not wanted.default_runtime or previous_default == reg.HANDLER
+    if present is not None and default_done:
+        return replace(
+            found,
+            target=present.path,
+            reasons=(
+                f"{present.path} already registers the {reg.HANDLER!r} runtime; left as it is",
+            ),
         )
+    need_runtime = present is None
+    default_in_block = wanted.default_runtime and not default_done
 
     patterns = import_patterns(snap.main, main_parsed, snap.containerd_version)
     dropin = dropin_target(patterns) if allow_dropin else None
     reasons: list[str] = []
+    if shim_path is None and ctrd is None:
+        reasons.append(
+            "containerd's version is unknown and the config is version 2: registered by "
+            f"the shim's own type ({reg.RUNTIME_TYPE}), which every containerd runs (1.6 "
+            "ignores runtime_path); containerd 2.x then reports no features for it"
+        )
     target = snap.main
     default_runc = False
     if not deep_merge:
-        cri = [(f, p) for f, p, _ in files if _get(p, ("plugins", reg.CRI_PLUGIN[2])) is not None]
-        effective = _get(cri[-1][1], ("plugins", reg.CRI_PLUGIN[2])) if cri else {}
-        default_runc = _lacks_default_runtime(effective)
+        effective = _get(cri[-1][1], ("plugins", reg.CRI_PLUGIN[version])) if cri else {}
+        default_runc = present is None and _lacks_default_runtime(effective)
         if default_runc:
             reasons.append(
                 "no file names containerd's default runc runtime: adding it beside cedana "
@@ -273,33 +345,135 @@ def plan_registration(
             if dropin is not None:
                 reasons.append(
                     f"containerd 1.x replaces a whole plugin table from an imported file, and "
-                    f"{target.path} configures {reg.CRI_PLUGIN[2]!r}: a drop-in would erase "
-                    f"those settings, so the runtime is added to {target.path} instead"
+                    f"{target.path} configures {reg.CRI_PLUGIN[version]!r}: a drop-in would "
+                    f"erase those settings, so the runtime is added to {target.path} instead"
                 )
             dropin = None
+    if wanted.default_runtime and not default_done:
+        reasons.append(
+            f"the CRI's default runtime becomes {reg.HANDLER!r} (was {previous_default!r}); "
+            "pods that name a RuntimeClass keep theirs"
+        )
     if dropin is not None:
         reasons.append(f"imports {patterns} cover {dropin}: writing a drop-in there")
-        return Plan(
-            "dropin",
-            version,
-            dropin,
-            reg.render_dropin(version, shim_config, default_runc=default_runc).encode(),
-            tuple(reasons),
+        dropin_text = render(
+            runtime=need_runtime, default=default_in_block, default_runc=default_runc, dropin=True
+        )
+        return replace(
+            found,
+            mode="dropin",
+            target=dropin,
+            content=dropin_text.encode(),
+            reasons=tuple(reasons),
         )
     if not patterns:
         reasons.append(f"{snap.main.path} has no imports: adding a marked block to it")
     elif not reasons:
         reasons.append(f"no imports glob of {snap.main.path} can hold a drop-in: editing it")
     text = next(t for f, _, t in files if f is target)
-    new_text = append_block(text, version, shim_config, default_runc=default_runc)
-    check = parse(ConfigFile(target.path, new_text.encode(), target.shown))
-    if not _same_registration(_get(check, rt_path), wanted):
+    if wanted.default_runtime and not default_done:
+        inline = set_default_inline(text, version)
+        if inline is not None:
+            text, default_in_block = inline, False
+    new_text = text
+    if need_runtime or default_in_block or default_runc:
+        tables = render(runtime=need_runtime, default=default_in_block, default_runc=default_runc)
+        new_text = append_block(text, tables)
+    try:
+        check = parse(ConfigFile(target.path, new_text.encode(), target.shown))
+    except ConfigError:
+        check = {}  # the file defines those tables in a way a block cannot extend
+    after = _merged([(f, check if f is target else p) for f, p, _ in files], deep_merge)
+    if not _same_registration(_get(after, rt_path), table) or (
+        wanted.default_runtime and _get(after, default_path) != reg.HANDLER
+    ):
         raise ConfigError(
             f"{target.name}: adding the cedana runtime tables does not take effect "
-            "(the runtimes table is defined inline?): add them by hand:\n"
-            + reg.render_tables(version, shim_config)
+            "(the CRI plugin's tables are defined inline or by dotted keys?): add them by "
+            "hand:\n"
+            + render(runtime=need_runtime, default=wanted.default_runtime, default_runc=False)
         )
-    return Plan("edit", version, target.path, new_text.encode(), tuple(reasons))
+    return replace(
+        found, mode="edit", target=target.path, content=new_text.encode(), reasons=tuple(reasons)
+    )
+
+
+def _check_options(wanted: Wanted, ctrd: tuple[int, ...] | None, *, runc_typed: bool) -> None:
+    """Refuse what the registration cannot hand the shim (before anything is written)."""
+    own_config = wanted.shim_config != reg.DEFAULT_SHIM_CONFIG
+    if own_config and runc_typed:
+        raise ConfigError(
+            f"--shim-config {wanted.shim_config}: containerd >= 1.7 runs the {reg.HANDLER!r} "
+            "handler as a runc-type runtime (the only kind containerd 2.0-2.3.3 asks for its "
+            "features), whose options have no ConfigPath, so the shim always reads "
+            f"{reg.DEFAULT_SHIM_CONFIG}: keep the node config there (drop --shim-config; "
+            "--shim-config-file and --set write that file)"
+        )
+    if own_config and wanted.runc_binary is not None:
+        raise ConfigError(
+            f"--runc-binary with --shim-config {wanted.shim_config}: containerd hands the "
+            "shim either a ConfigPath or the options table (BinaryName), not both, and "
+            f"without ConfigPath the shim reads {reg.DEFAULT_SHIM_CONFIG}: keep the node "
+            "config there, or drop --runc-binary"
+        )
+    if wanted.runc_binary is not None and not runc_typed and not _passes_options_table(ctrd):
+        raise ConfigError(
+            f"--runc-binary: containerd {'.'.join(map(str, ctrd or ()))} passes the "
+            f"{reg.HANDLER!r} runtime only its ConfigPath, never BinaryName (its CRI ignores "
+            "runtime_path, so the handler cannot be a runc-type runtime; 1.7 and later "
+            "can): upgrade containerd, or drop --runc-binary"
+        )
+
+
+def _passes_options_table(ctrd: tuple[int, ...] | None) -> bool:
+    """Whether containerd hands a non-runc runtime its ``options`` table (1.7 on)."""
+    return ctrd is None or ctrd[:2] >= (1, 7)
+
+
+def _node_systemd_cgroup(config: Mapping[str, Any], version: int, default: str) -> bool:
+    """Whether the node's runc (the default runtime's, else ``runc``'s) uses the
+    systemd cgroup driver: kubelet's pod cgroups are then systemd slices, and runc
+    must be called with ``--systemd-cgroup`` for containers to land in them."""
+    runtimes = _get(config, reg.runtimes_path(version))
+    if not isinstance(runtimes, Mapping):
+        return False
+    for name in (default, "runc"):
+        entry = runtimes.get(name)
+        options = entry.get("options") if isinstance(entry, Mapping) else None
+        if isinstance(options, Mapping) and "SystemdCgroup" in options:
+            return options["SystemdCgroup"] is True
+    return False
+
+
+def _merged(
+    files: Sequence[tuple[ConfigFile, Mapping[str, Any]]],
+    deep_merge: bool,
+) -> dict[str, Any]:
+    """The config containerd ends up with: 2.x merges every file key by key; 1.x
+    keeps the CRI plugin table of the last file that has one."""
+    merged: dict[str, Any] = {}
+    for _, parsed in files:
+        if deep_merge:
+            _deep_merge(merged, copy.deepcopy(dict(parsed)))
+        else:
+            plugins = parsed.get("plugins")
+            for name, table in (plugins if isinstance(plugins, Mapping) else {}).items():
+                merged.setdefault("plugins", {})[name] = table
+    return merged
+
+
+def _deep_merge(into: dict[str, Any], other: Mapping[str, Any]) -> None:
+    for key, value in other.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _binary_name(runtime: Mapping[str, Any]) -> str:
+    options = runtime.get("options")
+    value = options.get("BinaryName", "") if isinstance(options, Mapping) else ""
+    return value if isinstance(value, str) else ""
 
 
 def _lacks_default_runtime(cri_table: Any) -> bool:
@@ -314,24 +488,10 @@ def _lacks_default_runtime(cri_table: Any) -> bool:
 def _same_registration(existing: Any, wanted: Mapping[str, Any]) -> bool:
     if not isinstance(existing, Mapping):
         return False
-    # runtime_path is how a by-hand registration names the shim when it is not on
-    # PATH; anything else must be what cedana registers.
-    return {k: v for k, v in existing.items() if k != "runtime_path"} == dict(wanted)
-
-
-def restore_edited(current: bytes) -> bytes:
-    """For uninstall when the edited file changed since install: drop only our block."""
-    return strip_block(current.decode()).encode()
-
-
-def handler_in_cri_config(cri_config: Mapping[str, Any]) -> str | None:
-    """The runtime_type the CRI plugin reports for the cedana handler (Status verbose
-    ``config``: ``containerd.runtimes.<name>.runtimeType`` in 1.6 through 2.1)."""
-    runtimes = _get(cri_config, ("containerd", "runtimes"))
-    if not isinstance(runtimes, Mapping):
-        return None
-    entry = runtimes.get(reg.HANDLER)
-    if not isinstance(entry, Mapping):
-        return None
-    value = entry.get("runtimeType", entry.get("runtime_type"))
-    return str(value) if value is not None else None
+    # A by-hand registration may keep the shim elsewhere (or, on 1.6, name it in a
+    # runtime_path containerd ignores); anything else must be what cedana registers.
+    if "runtime_path" in wanted and not reg.is_shim_path(existing.get("runtime_path")):
+        return False
+    return {k: v for k, v in existing.items() if k != "runtime_path"} == {
+        k: v for k, v in wanted.items() if k != "runtime_path"
+    }

@@ -15,11 +15,11 @@ import contextlib
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from . import registration as reg
-from .containerd_config import handler_in_cri_config
 
 RPC_TIMEOUT = 30.0
 
@@ -29,16 +29,47 @@ class CriError(Exception):
 
 
 @dataclass(frozen=True)
+class CriRuntimes:
+    """What the CRI plugin reports (Status verbose ``config``, 1.6 through 2.1) about
+    the cedana handler and the default runtime."""
+
+    runtime_type: str | None  # containerd.runtimes.cedana.runtimeType
+    runtime_path: str | None  # containerd.runtimes.cedana.runtimePath
+    default_runtime: str | None  # containerd.defaultRuntimeName
+
+
+def runtimes_in_cri_config(cri_config: Mapping[str, Any]) -> CriRuntimes:
+    containerd = cri_config.get("containerd")
+    if not isinstance(containerd, Mapping):
+        return CriRuntimes(None, None, None)
+    default = containerd.get("defaultRuntimeName")
+    runtimes = containerd.get("runtimes")
+    entry = runtimes.get(reg.HANDLER) if isinstance(runtimes, Mapping) else None
+    if not isinstance(entry, Mapping):
+        entry = {}
+    kind, path = entry.get("runtimeType"), entry.get("runtimePath")
+    return CriRuntimes(
+        str(kind) if kind is not None else None,
+        str(path) if path else None,
+        str(default) if default else None,
+    )
+
+
+@dataclass(frozen=True)
 class HandlerStatus:
     answering: bool  # the CRI service answered Status
     runtime_type: str | None  # what CRI has registered for the cedana handler
+    runtime_path: str | None  # the shim binary it names
     handlers: tuple[str, ...]  # CRI's runtime_handlers (containerd >= 2.0 fills it)
     sandbox_image: str | None
+    default_runtime: str | None  # the CRI's default runtime (pods without a handler)
     detail: str
 
     @property
     def registered(self) -> bool:
-        return self.runtime_type == reg.RUNTIME_TYPE
+        if self.runtime_type == reg.RUNC_TYPE:
+            return reg.is_shim_path(self.runtime_path)
+        return self.runtime_type == reg.RUNTIME_TYPE  # containerd 1.6's form
 
 
 def _modules() -> tuple[Any, Any, Any]:
@@ -81,22 +112,30 @@ class CriClient:
         try:
             resp = self.runtime.Status(self.pb.StatusRequest(verbose=True), timeout=5)
         except self.grpc.RpcError as err:
-            return HandlerStatus(False, None, (), None, self._describe(err))
+            return HandlerStatus(False, None, None, (), None, None, self._describe(err))
         try:
             config = json.loads(resp.info.get("config", "{}"))
         except ValueError:
             config = {}
         handlers = tuple(h.name for h in resp.runtime_handlers)
-        runtime_type = handler_in_cri_config(config)
+        cri = runtimes_in_cri_config(config)
+        runtime_type = cri.runtime_type
         image = config.get("sandboxImage") or None
         if runtime_type is None and reg.HANDLER in handlers:
             runtime_type = "(listed, type not reported)"
-        detail = (
-            f"CRI lists handler {reg.HANDLER!r} ({runtime_type})"
-            if runtime_type
-            else f"CRI answers but has no {reg.HANDLER!r} handler"
+        if runtime_type is None:
+            detail = f"CRI answers but has no {reg.HANDLER!r} handler"
+        elif runtime_type == reg.RUNC_TYPE and not reg.is_shim_path(cri.runtime_path):
+            detail = (
+                f"CRI's {reg.HANDLER!r} handler is a {runtime_type} runtime that runs "
+                f"{cri.runtime_path or 'containerd-shim-runc-v2'}, not {reg.SHIM_BINARY}"
+            )
+        else:
+            shim = f", {cri.runtime_path}" if cri.runtime_path else ""
+            detail = f"CRI lists handler {reg.HANDLER!r} ({runtime_type}{shim})"
+        return HandlerStatus(
+            True, runtime_type, cri.runtime_path, handlers, image, cri.default_runtime, detail
         )
-        return HandlerStatus(True, runtime_type, handlers, image, detail)
 
     def wait_registered(self, timeout: float) -> HandlerStatus:
         """containerd's CRI plugin answers a little after its socket appears."""
@@ -108,13 +147,17 @@ class CriClient:
             time.sleep(0.2)
 
     def cedana_pods(self) -> list[str]:
-        """Names of the pods that run now with the cedana handler."""
+        """Names of the pods that run now with the cedana handler: named, or (no
+        handler) by being the CRI's default runtime."""
         pb = self.pb
+        ours = {reg.HANDLER}
+        if self.status().default_runtime == reg.HANDLER:
+            ours.add("")
         resp = self.runtime.ListPodSandbox(pb.ListPodSandboxRequest(), timeout=RPC_TIMEOUT)
         return [
             f"{p.metadata.namespace}/{p.metadata.name}"
             for p in resp.items
-            if p.runtime_handler == reg.HANDLER and p.state == pb.SANDBOX_READY
+            if p.runtime_handler in ours and p.state == pb.SANDBOX_READY
         ]
 
     def probe_pod(self, image: str | None) -> str:

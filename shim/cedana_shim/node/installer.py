@@ -18,11 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from . import config_blocks, runtimes, settings
 from . import containerd_config as cc
 from . import criu as criu_mod
 from . import payload as payload_mod
 from . import registration as reg
-from . import settings
 from .hostfs import HostRoot, InstallState, Managed, copy_tree, observe
 from .report import NodeError, Outcome, Report
 
@@ -41,6 +41,8 @@ class Options:
     containerd_socket: str | None = None  # installer's view; None: from the config
     restart_command: str = "systemctl restart containerd"
     shim_config: str = reg.DEFAULT_SHIM_CONFIG
+    default_runtime: bool = True  # make `cedana` the CRI's default runtime
+    runc_binary: str | None = None  # the `cedana` handler's BinaryName; None: runc
     shim_settings: tuple[tuple[str, str], ...] = ()
     shim_config_file: str | None = None
     criu_source: str | None = None
@@ -194,7 +196,7 @@ def _node_config(ctx: Context) -> bytes | None:
     ):
         return None  # the node's own config: not ours to replace
     else:
-        # ConfigPath names this file: a missing one fails every opted-in container.
+        # The shim reads this file: a missing one fails every opted-in container.
         data = settings.render_node_config(())
         origin = "default node config"
     settings.validate_node_config(data, origin)
@@ -219,7 +221,15 @@ def _install(ctx: Context) -> None:
     version, detail = containerd_version(host, opts.containerd_bin)
     report.add("containerd", "ok", detail)
     snapshot, main_parsed = read_snapshot(ctx, version)
-    plan = cc.plan_registration(snapshot, opts.shim_config, allow_dropin=opts.allow_dropin)
+    wanted = cc.Wanted(
+        opts.shim_config,
+        f"{opts.bin_dir}/{reg.SHIM_BINARY}",
+        opts.default_runtime,
+        opts.runc_binary,
+    )
+    plan = cc.plan_registration(snapshot, wanted, allow_dropin=opts.allow_dropin)
+    runtimes.check_runc_binary(host, opts.runc_binary)
+    runtimes.check_default_takeover(plan, opts.runc_binary)
     node_config = _node_config(ctx)
     criu_check = criu_mod.check(host)
     if not criu_check.ok and opts.criu_source is None and opts.require_criu:
@@ -373,7 +383,17 @@ def _apply_registration(ctx: Context, plan: cc.Plan) -> bool:
         changed |= ctx.managed.put_file(plan.target, plan.content)
     ctx.state.set(
         "registration",
-        {"mode": plan.mode, "target": plan.target, "config_version": plan.config_version},
+        {
+            "mode": plan.mode,
+            "target": plan.target,
+            "config_version": plan.config_version,
+            "default_runtime": reg.HANDLER if plan.default_runtime else plan.previous_default,
+            "previous_default": plan.previous_default,
+            "runc_binary": ctx.opts.runc_binary or "",
+            "nvidia_binary": plan.nvidia_binary,
+            "systemd_cgroup": plan.systemd_cgroup and not plan.systemd_cgroup_lost,
+            "runtime_path": plan.shim_path,
+        },
     )
     if changed:
         ctx.state.set("restart_pending", True)
@@ -384,6 +404,7 @@ def _apply_registration(ctx: Context, plan: cc.Plan) -> bool:
         "changed" if changed else "unchanged",
         f"{plan.target} (config version {plan.config_version}){': ' + why if why else ''}",
     )
+    runtimes.report(ctx.report, plan, ctx.opts.runc_binary, changed=changed)
     return changed
 
 
@@ -399,7 +420,7 @@ def undo_registration(ctx: Context, record: dict[str, Any]) -> bool:
     real = ctx.host.path(target, follow_last=False)
     now = observe(real)
     if record.get("mode") in ("edit", "create") and now.kind == "file":
-        stripped = cc.restore_edited(now.data)
+        stripped = config_blocks.restore_edited(now.data)
         backup = ctx.state.files[target]["prior"].get("backup")
         if stripped != now.data:
             ctx.managed.forget(target, keep_backup=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from . import config_blocks
 from . import containerd_config as cc
 from . import criu as criu_mod
 from . import payload as payload_mod
@@ -62,7 +63,7 @@ def status(opts: Options, *, check_cri: bool = True) -> dict[str, Any]:
     present = isinstance(target, str) and os.path.exists(host.path(target))
     if isinstance(target, str) and registration.get("mode") in ("edit", "create"):
         data = _read(host.path(target)) or b""
-        present = cc.has_block(data.decode(errors="replace"))
+        present = config_blocks.has_block(data.decode(errors="replace"))
     out["registration"] = {**registration, "present": present}
     if not present:
         problems.append("the cedana runtime is not registered in containerd's config")
@@ -84,6 +85,8 @@ def status(opts: Options, *, check_cri: bool = True) -> dict[str, Any]:
                 "answering": st.answering,
                 "registered": st.registered,
                 "runtime_type": st.runtime_type,
+                "runtime_path": st.runtime_path,
+                "default_runtime": st.default_runtime,
                 "detail": st.detail,
             }
             if not st.registered:
@@ -134,6 +137,25 @@ def render(info: dict[str, Any]) -> str:
             f"registration:  {reg.get('mode')} {reg['target']} (config version "
             f"{reg.get('config_version')}) {'present' if reg['present'] else 'MISSING'}"
         )
+        if reg.get("default_runtime"):
+            lines.append(
+                f"default:       {reg['default_runtime']} runtime for pods without "
+                f"runtimeClassName (before install: {reg.get('previous_default', 'runc')})"
+            )
+        if reg.get("runtime_path"):
+            lines.append(
+                f"shim:          {reg['runtime_path']} (runtime_path of the io.containerd.runc.v2 "
+                "runtime cedana)"
+            )
+        runc = reg.get("runc_binary") or "runc"
+        lines.append(f"runc binary:   {runc}")
+        nvidia = reg.get("nvidia_binary")
+        if nvidia is not None:
+            gpu = "get" if nvidia == reg.get("runc_binary") else "do NOT get"
+            lines.append(
+                f"nvidia:        the node's nvidia runtime runs {nvidia or 'runc'}; GPU pods "
+                f"with runtimeClassName cedana {gpu} its device injection"
+            )
     else:
         lines.append("registration:  none")
     nc = info["node_config"]
@@ -143,6 +165,8 @@ def render(info: dict[str, Any]) -> str:
         lines.append(
             f"handler:       {'answers' if h['registered'] else 'NOT answering'}: {h['detail']}"
         )
+        if h.get("default_runtime"):
+            lines.append(f"CRI default:   {h['default_runtime']} (what containerd runs now)")
     for problem in info["problems"]:
         lines.append(f"problem:       {problem}")
     lines.append("status: ok" if info["ok"] else "status: NOT ok")

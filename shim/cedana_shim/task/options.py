@@ -1,10 +1,12 @@
 """Runtime options: what containerd tells the shim about how to run runc.
 
 They arrive as a ``google.protobuf.Any`` in ``CreateTaskRequest.options`` (and on
-``start``'s stdin): ``containerd.runc.v1.Options`` from ctr/clients that know
-runc, ``runtimeoptions.v1.Options`` from the CRI for any other runtime type
-(``ConfigPath``, and from containerd 1.7 the whole ``options`` TOML table in
-``config_body``), or nothing. containerd >= 2.3 wraps the start options in a
+``start``'s stdin): ``containerd.runc.v1.Options`` from ctr/clients that know runc
+and from the CRI for a runc-type runtime (how ``cedana node install`` registers the
+handler from containerd 1.7: no ConfigPath, the default node config applies),
+``runtimeoptions.v1.Options`` from the CRI for any other runtime type (``ConfigPath``,
+and from containerd 1.7 the whole ``options`` TOML table in ``config_body``; the
+handler's form on containerd 1.6), or nothing. containerd >= 2.3 wraps the start options in a
 ``BootstrapParams``. Everything is turned into one frozen
 :class:`RuntimeOptions`; unknown types are refused, not ignored.
 """

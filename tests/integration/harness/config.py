@@ -8,8 +8,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEPS_DIR = Path(os.environ.get("CEDANA_DEPS_DIR", "/opt/cedana-deps"))
-# The cedana shim is found by containerd through $PATH (runtime_type lookup), exactly as
-# on a node; this is the directory put first on the test containerd's PATH.
+# Where the cedana shim is: the CRI handler's runtime_path from containerd 1.7 (as
+# `cedana node install` registers it), and the directory put on the test containerd's
+# PATH, where containerd 1.6's CRI and `ctr run --runtime io.containerd.cedana.v2` find it.
 SHIM_BIN_DIR = Path(os.environ.get("CEDANA_SHIM_BIN_DIR", str(REPO_ROOT / ".venv" / "bin")))
 CRIU = Path("/usr/local/sbin/criu")
 CNI_BIN_DIR = Path("/usr/lib/cni")

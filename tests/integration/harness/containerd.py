@@ -1,7 +1,8 @@
 """A private containerd process: its own root, state, sockets, CNI network and log.
 
 The instance registers two runtimes, `runc` (containerd's own shim) and `cedana`
-(ours, found on PATH), so the same tests can drive either one.
+(ours, registered exactly as `cedana node install` registers it), so the same tests
+can drive either one.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
+from cedana_shim.node import registration
+
 from . import procs
 from .config import (
+    CEDANA,
     CNI_BIN_DIR,
     CRI_NAMESPACE,
     CRIU,
@@ -78,6 +82,10 @@ class Containerd:
         # CEDANA_STORE_PATH from containerd's environment).
         self.store = base / "checkpoints"
         self.shim_log_file = base / "shim.log"
+        # The node config the containerd 1.6 form's ConfigPath names: empty, the
+        # settings come from CEDANA_* in the environment. (From 1.7 the shim reads
+        # the default path, absent here.)
+        self.node_config = base / "shim.toml"
         suffix = uuid.uuid4().hex[:8]
         self.bridge = f"cdn{suffix}"
         # A random /24 per instance: several containerds (and other suites) may run on
@@ -129,6 +137,7 @@ class Containerd:
             ],
         }
         (self.cni_conf_dir / "10-cedana-itest.conflist").write_text(json.dumps(conflist))
+        self.node_config.write_text("# settings: CEDANA_* in containerd's environment\n")
         render = self._config_v3 if self.version.config_version == 3 else self._config_v2
         self.config_path.write_text(render())
 
@@ -148,14 +157,26 @@ state = {_toml_str(self.state)}
 """
 
     def _runtime_tables(self, prefix: str) -> str:
+        # The cedana tables come last, whole, as the installer renders them.
         return f"""
   [{prefix}.containerd]
     default_runtime_name = "runc"
     [{prefix}.containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
-    [{prefix}.containerd.runtimes.cedana]
-      runtime_type = "io.containerd.cedana.v2"
 """
+
+    def cedana_runtime_path(self) -> str | None:
+        """The `runtime_path` the cedana handler is registered with; None on
+        containerd 1.6 (the shim's own runtime type, found on PATH)."""
+        version = self.version
+        if not registration.honours_runtime_path(version.major_minor, version.config_version):
+            return None
+        return str(CEDANA.shim_path(version))
+
+    def _cedana_tables(self) -> str:
+        return "\n" + registration.render_tables(
+            self.version.config_version, self.cedana_runtime_path(), str(self.node_config)
+        )
 
     def _config_v2(self) -> str:
         cri = '"io.containerd.grpc.v1.cri"'
@@ -181,7 +202,7 @@ state = {_toml_str(self.state)}
         if self.version.major_minor >= (1, 7):
             # NRI's socket is host-global (/var/run/nri/nri.sock).
             text += '\n[plugins."io.containerd.nri.v1.nri"]\n  disable = true\n'
-        return text
+        return text + self._cedana_tables()
 
     def _config_v3(self) -> str:
         runtime = "plugins.'io.containerd.cri.v1.runtime'"
@@ -210,6 +231,7 @@ state = {_toml_str(self.state)}
 [plugins.'io.containerd.nri.v1.nri']
   disable = true
 """
+            + self._cedana_tables()
         )
 
     def _env(self) -> dict[str, str]:
@@ -252,7 +274,7 @@ state = {_toml_str(self.state)}
             log.flush()
             # Own session: a test's signals never reach it, and it outlives nothing.
             self.proc = subprocess.Popen(
-                [str(self.version.containerd), "--config", str(self.config_path)],
+                self._command(),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -274,6 +296,9 @@ state = {_toml_str(self.state)}
                 )
             time.sleep(0.02)
         self._check_plugins()
+
+    def _command(self) -> list[str]:
+        return [str(self.version.containerd), "--config", str(self.config_path)]
 
     def _socket_answers(self) -> bool:
         if not self.socket.exists():

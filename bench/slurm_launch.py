@@ -1,0 +1,193 @@
+"""Slurm: launch overhead of an opted-in batch job, SIGTERM -> checkpoint committed
+for a 1 GiB job against KillWait, and the resume time on requeue, on a private
+one-node cluster (the integration harness's).
+
+    python bench/slurm_launch.py [--runs 5] [--runner PATH] [--out results.json]
+
+launch: the same trivial job (``true``, with CEDANA_ENABLE=1 in its --export) on
+the node with `cedana slurm install` and without it, interleaved (install, job,
+uninstall, job, ...). Each sample is slurmstepd's own task time (its log lines
+"task 0 started" to "task 0 exited", millisecond stamps): the runner's start,
+container create/start/teardown, against Slurm's plain execve. Target <= 100 ms.
+checkpoint: a job that holds 1 GiB of touched memory is requeued (`scontrol
+requeue`: Slurm sends SIGTERM and, KillWait later, SIGKILL); the sample is the time
+from the requeue to the checkpoint listed in the store, against KillWait.
+resume: the requeued job is released; the sample is the time from slurmstepd's
+task start to the job's next output line (the job prints every 0.1 s).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    Report,
+    base_parser,
+    ensure_venv,
+    install_signal_handlers,
+    print_table,
+    require_root,
+    summarize,
+    verdict,
+)
+
+TARGET_LAUNCH_S = 0.100
+LAUNCH_SCRIPT = "#!/bin/bash\n#SBATCH --output=launch-%j.out\n#SBATCH --export=ALL,{export}\ntrue\n"
+# 1 GiB touched, then a counter every 0.1 s: what a restore must bring back.
+HOG_SCRIPT = """\
+#!/bin/bash
+#SBATCH --output=hog.out
+#SBATCH --requeue
+#SBATCH --export=ALL,CEDANA_CHECKPOINT=hog
+exec python3 -u -c '
+import time
+hog = bytearray(1 << 30)
+for i in range(0, len(hog), 4096):
+    hog[i] = 1
+i = 0
+while True:
+    print(f"tick {i}", flush=True)
+    i += 1
+    time.sleep(0.1)
+'
+"""
+_TASK_LINE = re.compile(
+    r"^\[(?P<ts>[0-9T:.-]+)\] \[(?P<job>\d+)\.batch\] task 0 \(\d+\) (?P<what>started|exited)",
+    re.M,
+)
+
+
+def _stamp(text: str) -> float:
+    return datetime.fromisoformat(text).timestamp()
+
+
+def task_times(log: str, job_id: int) -> tuple[float, float] | None:
+    """slurmstepd's task start and exit of a batch job, from slurmd's log."""
+    seen: dict[str, float] = {}
+    for m in _TASK_LINE.finditer(log):
+        if int(m["job"]) == job_id:
+            seen.setdefault(m["what"], _stamp(m["ts"]))
+    if "started" in seen and "exited" in seen:
+        return seen["started"], seen["exited"]
+    return None
+
+
+def main() -> int:
+    parser = base_parser(__doc__ or "", default_runs=5)
+    parser.add_argument("--runner", help="the job runner (default: .venv/bin/cedana-slurm-task)")
+    args = parser.parse_args()
+    if args.runs < 5:
+        parser.error("--runs must be >= 5")
+    ensure_venv()
+    require_root()
+    install_signal_handlers()
+    from tests.integration.harness.config import SHIM_BIN_DIR
+    from tests.integration.harness.slurm import cedana, running_cluster
+    from tests.integration.harness.util import wait_for
+
+    runner = args.runner or str(SHIM_BIN_DIR / "cedana-slurm-task")
+    report = Report("slurm_launch", {"runs_per_side": args.runs, "runner": runner})
+    with running_cluster() as cluster:
+        store = cluster.dir / "store"
+        config = cluster.dir / "shim.toml"
+        config.write_text(f'store_path = "{store}"\n')
+        prefix = cluster.dir / "prefix"
+        report.params["kill_wait_s"] = cluster.kill_wait
+
+        def install() -> None:
+            done = cedana(
+                "slurm", "install", "--node-role", "worker", "--slurm-conf", str(cluster.conf),
+                "--prefix", str(prefix), "--runner", runner, "--shim-config", str(config),
+            )  # fmt: skip
+            if done.returncode != 0:
+                raise SystemExit(f"cedana slurm install: {done.stderr.strip()}")
+
+        def uninstall() -> None:
+            done = cedana(
+                "slurm", "uninstall", "--slurm-conf", str(cluster.conf), "--prefix", str(prefix)
+            )
+            if done.returncode != 0:
+                raise SystemExit(f"cedana slurm uninstall: {done.stderr.strip()}")
+
+        def launch_sample() -> float:
+            script = cluster.write_script(
+                "launch.sh", LAUNCH_SCRIPT.format(export="CEDANA_ENABLE=1")
+            )
+            job_id = cluster.sbatch(script)
+            fields = cluster.wait_state(job_id, "COMPLETED", "FAILED", timeout=60)
+            if fields["JobState"] != "COMPLETED":
+                raise SystemExit(f"launch job {job_id} failed: {fields.get('ExitCode')}")
+            times = wait_for(
+                lambda: task_times(cluster.slurmd_log(), job_id), timeout=10, what="task lines"
+            )
+            return times[1] - times[0]
+
+        samples: dict[str, list[float]] = {"installed": [], "not installed": []}
+        for _ in range(args.runs):
+            install()
+            samples["installed"].append(launch_sample())
+            uninstall()
+            samples["not installed"].append(launch_sample())
+        launch = {side: summarize(values) for side, values in samples.items()}
+        overhead = launch["installed"].median - launch["not installed"].median
+        report.results["launch_s"] = {side: s.as_dict() for side, s in launch.items()}
+        report.results["launch_overhead_s"] = round(overhead, 4)
+
+        install()
+        hog = cluster.write_script("hog.sh", HOG_SCRIPT)
+        job_id = cluster.sbatch(hog)
+        cluster.wait_state(job_id, "RUNNING", timeout=60)
+        cluster.wait_output("hog.out", r"^tick 5$", timeout=120)
+        t0 = time.monotonic()
+        cluster.requeue(job_id)
+
+        def committed() -> bool:
+            done = cedana("checkpoints", "list", "--store", str(store), "--json", "--label", "hog")
+            return done.returncode == 0 and bool(json.loads(done.stdout or "[]"))
+
+        wait_for(committed, timeout=cluster.kill_wait + 30, interval=0.2, what="checkpoint")
+        commit_s = time.monotonic() - t0
+        report.results["sigterm_to_committed_s"] = round(commit_s, 3)
+        last_tick = max(
+            int(n) for n in re.findall(r"^tick (\d+)$", cluster.output("hog.out"), re.M)
+        )
+
+        cluster.wait_state(job_id, "PENDING", timeout=cluster.kill_wait + 60)
+        log_offset = len(cluster.slurmd_log())
+        cluster.release(job_id)
+        ticked = re.compile(rf"^tick {last_tick + 1}$", re.M)
+        wait_for(lambda: ticked.search(cluster.output("hog.out")), timeout=120, interval=0.05,
+                 what="the resumed job's output")  # fmt: skip
+        resumed_at = time.time()
+        started = re.search(rf"\[([0-9T:.-]+)\] \[{job_id}\.batch\] task 0 \(\d+\) started",
+                            cluster.slurmd_log()[log_offset:])  # fmt: skip
+        resume_s = resumed_at - _stamp(started.group(1)) if started else float("nan")
+        report.results["resume_s"] = round(resume_s, 3)
+        cluster.cancel(job_id)
+        uninstall()
+
+    rows = [
+        [side, f"{s.median * 1000:.0f}", f"{s.p10 * 1000:.0f}", f"{s.p90 * 1000:.0f}"]
+        for side, s in launch.items()
+    ]
+    print_table(["launch (task time)", "median ms", "p10 ms", "p90 ms"], rows)
+    print(f"launch overhead: {overhead * 1000:.0f} ms ({verdict(overhead, TARGET_LAUNCH_S)} "
+          f"<= {TARGET_LAUNCH_S * 1000:.0f} ms)")  # fmt: skip
+    print(f"SIGTERM -> checkpoint committed (1 GiB): {commit_s:.1f} s "
+          f"({verdict(commit_s, cluster.kill_wait)} KillWait {cluster.kill_wait} s)")  # fmt: skip
+    print(f"resume on requeue (task start -> next output line): {resume_s:.2f} s")
+    report.notes.append(
+        "checkpoint commit time is polled with `cedana checkpoints list` (~0.3 s resolution)"
+    )
+    report.write(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

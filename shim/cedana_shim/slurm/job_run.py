@@ -1,0 +1,351 @@
+"""The life of one protected job step, in the runner's keeper process (see runner.py).
+
+Start (restore the label's latest checkpoint, or cold), forward the signals the
+task process passes on, checkpoint on SIGTERM/SIGINT before the job sees them,
+serve the control socket, and report the job's exit status. Everything about
+checkpoints goes through the shim's own layers: the CheckpointManager and
+Checkpointing of the task layer, the pipeline, RestoreSession and the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from google.protobuf.message import Message
+
+from .. import log as shim_log
+from ..api.cedana.v1 import cedana_pb2 as cedana_ev
+from ..checkpoint import criu_config
+from ..checkpoint.pipeline import DumpRequest
+from ..checkpoint.policy import Policy
+from ..errors import InvalidArgument, NotFound, ShimError
+from ..runtime.reaper import Exit, Reaper, set_child_subreaper
+from ..runtime.runc import Runc
+from ..runtime.unmount import unmount_all
+from ..task.checkpointing import STOP_SIGNALS, Checkpointing, CheckpointManager, PipelineSource
+from ..task.process import Process, State
+from . import job_spec, leftovers
+from .control import RUN_DIR, ControlServer, socket_path
+from .job_host import JobHost
+
+log = logging.getLogger(__name__)
+
+# The node's checkpoint pipelines, built by the composition root (cli/): the node
+# config the way the shim's daemon reads it (cli.wiring.NodePipelines).
+PipelinesFactory = Callable[[Reaper], PipelineSource]
+
+EXIT_RUNNER_FAILED: Final = 125  # the runner could not run the job at all
+KILLED_EXIT_WAIT: Final = 10.0
+COMPACT_DRAIN_TIMEOUT: Final = 600.0
+# Signals whose default action would end the keeper (see run()).
+_IGNORED: Final = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGALRM,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class JobPaths:
+    """Where one job step's runner keeps its state (root's, under /run)."""
+
+    base: str
+    name: str
+
+    @property
+    def socket(self) -> str:
+        return socket_path(self.name, self.base)
+
+    @property
+    def bundle(self) -> str:
+        return os.path.join(self.base, "bundles", self.name)
+
+    @property
+    def rootfs(self) -> str:
+        # Outside the bundle on purpose: the bundle is removed with rmtree, and this
+        # is the host's root bound in the runner's mount namespace.
+        return os.path.join(self.base, "roots", self.name)
+
+    @property
+    def runc_root(self) -> str:
+        return os.path.join(self.base, "runc")
+
+
+class JobEvents:
+    """The shim's checkpoint events, as the few lines the job's stderr gets."""
+
+    def __init__(self, err: int = 2) -> None:
+        self._err = err
+
+    def send(self, event: Message) -> None:
+        if isinstance(event, cedana_ev.RestoreOutcome):
+            if event.checkpoint_id:
+                detail = f"label {event.label}" + (f"; {event.detail}" if event.detail else "")
+                self.say(f"restored from {event.checkpoint_id} ({detail})")
+            else:
+                self.say(f"starting cold: {event.detail}")
+        elif isinstance(event, cedana_ev.CheckpointCommitted):
+            self.say(
+                f"checkpoint {event.checkpoint_id} committed ({event.reason}, label {event.label})"
+            )
+        elif isinstance(event, cedana_ev.CheckpointFailed):
+            self.say(f"checkpoint failed ({event.reason}): {event.error}")
+
+    def say(self, text: str) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._err, f"cedana: {text}\n".encode(errors="replace"))
+
+
+class JobRun:
+    def __init__(
+        self,
+        request: job_spec.JobRequest,
+        policy: Policy,
+        front: socket.socket,
+        pipelines: PipelinesFactory,
+        *,
+        config_path: str = "",
+        base: str = RUN_DIR,
+    ) -> None:
+        self.request = request
+        self._pipelines = pipelines
+        self.policy = policy
+        self.front = front
+        self.config_path = config_path
+        self.paths = JobPaths(base, request.name)
+        self.events = JobEvents()
+        self._exits: dict[int, Exit] = {}
+        self._pending: list[int] = []  # signals that came while the job was starting
+        self.init: Process | None = None
+        self.cr: Checkpointing | None = None
+        self.host: JobHost | None = None
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in _IGNORED:
+            # Slurm's own signals reach the task process, which forwards them; one that
+            # reaches this process too (proctrack/cgroup) must not end it.
+            loop.add_signal_handler(sig, lambda: None)
+        set_child_subreaper()
+        reaper = Reaper(loop)
+        reaper.install()
+        unsubscribe = reaper.subscribe(self._on_exit)
+        pipelines = self._pipelines(reaper)
+        # Signals that arrive while the job is being started wait for it (_signal).
+        front_gone = loop.create_task(self._forward_signals())
+        try:
+            shim_log.add_node_log(pipelines.get(self.config_path).config.log_file)
+            manager = CheckpointManager(self.events, pipelines)
+            cr, restore = manager.for_container(
+                self.request.container_id, self.policy, self.config_path
+            )
+            self.cr = cr
+            self.host = host = await self._prepare(reaper, cr)
+            if restore is not None and await restore.prepare(host):
+                pid = await restore.run(host)
+            else:
+                pid = await host.create_cold()
+        except Exception as err:  # whatever it was, nothing of the job may stay running
+            self.events.say(f"cannot run job {self.request.name}: {err}")
+            front_gone.cancel()
+            await self._cleanup()
+            self._report(EXIT_RUNNER_FAILED)
+            unsubscribe()
+            return EXIT_RUNNER_FAILED
+        status = await self._supervise(pid, cr, host, front_gone)
+        cr.stop_periodic()
+        await cr.wait_stop()
+        await self._kill_all()
+        await host.drain_output()
+        # Cleaned up before the step ends: a requeued job (same id, maybe this node)
+        # finds the step's names free.
+        front_gone.cancel()
+        await self._cleanup()
+        self._report(status)
+        _let_go_of_stdio()  # the step's output is complete: nothing may hold it open
+        unsubscribe()
+        await manager.drain(COMPACT_DRAIN_TIMEOUT)
+        reaper.close()
+        return status
+
+    async def _supervise(
+        self, pid: int, cr: Checkpointing, host: JobHost, front_gone: asyncio.Task[None]
+    ) -> int:
+        """From the job's start to its exit: its status."""
+        init = self.init = Process(self.request.container_id, "", State.RUNNING, pid)
+        if pid in self._exits:
+            init.set_exited(self._exits[pid].status, self._exits[pid].timestamp)
+        cr.start_periodic(init, host.target)
+        control = ControlServer(self.paths.socket, frozenset({0, self.request.uid}), self._control)
+        try:
+            await control.start()
+        except OSError as err:
+            log.warning("no control socket", extra={"path": control.path, "error": str(err)})
+        for sig in self._pending:
+            await self._signal(sig)
+        ends: set[asyncio.Future[Any]] = {front_gone, init.exited}
+        await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+        if not init.exited.done():  # the task process was killed (KillWait's SIGKILL)
+            # The step is over for Slurm: its output file may already be the requeued
+            # job's (truncated); nothing of this run may land in it.
+            _let_go_of_stdio()
+            await cr.abort(init)  # a checkpoint in progress is abandoned: nothing of it stays
+            await self._kill_all()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(init.exited), KILLED_EXIT_WAIT)
+        await control.close()
+        return init.exit.status if init.exit is not None else 128 + signal.SIGKILL
+
+    async def _prepare(self, reaper: Reaper, cr: Checkpointing) -> JobHost:
+        """A fresh bundle (what a killed runner of the same step left is removed
+        first), the host's root bound for it, and its spec."""
+        paths = self.paths
+        if not os.path.isdir(self.request.cwd):
+            # runc would create it, as root, on the host (the container's root).
+            raise InvalidArgument(f"the job's working directory {self.request.cwd} does not exist")
+        runc = Runc(
+            reaper=reaper,
+            root=paths.runc_root,
+            log_path=os.path.join(paths.bundle, "log.json"),
+        )
+        # Without a log: the bundle that would hold it is not there yet.
+        janitor = Runc(reaper=reaper, root=paths.runc_root)
+        await leftovers.sweep(
+            os.path.dirname(paths.bundle), os.path.dirname(paths.rootfs), paths.base, janitor
+        )
+        with contextlib.suppress(ShimError, OSError):
+            await janitor.delete(self.request.container_id, force=True)
+        shutil.rmtree(paths.bundle, ignore_errors=True)
+        for private in (os.path.dirname(paths.bundle), os.path.dirname(paths.rootfs)):
+            # The bundle's spec holds the job's environment: root's eyes only.
+            os.makedirs(private, mode=0o700, exist_ok=True)
+            os.chmod(private, 0o700)
+        os.makedirs(os.path.join(paths.bundle, "work"), mode=0o700)  # CRIU's work dirs
+        leftovers.mark_keeper(paths.bundle)
+        mounts = job_spec.host_mounts()
+        job_spec.bind_host_root(paths.rootfs)
+        spec = job_spec.build_spec(
+            self.request,
+            rootfs=paths.rootfs,
+            mounts=mounts,
+            cgroup=job_spec.container_cgroup(job_spec.job_cgroup(), self.request),
+            rlimits=job_spec.current_rlimits(),
+        )
+        spec["annotations"] = {criu_config.ANNOTATION: criu_config.config_path(paths.bundle)}
+        with open(os.path.join(paths.bundle, "config.json"), "w") as f:
+            json.dump(spec, f)
+        return JobHost(
+            container_id=self.request.container_id,
+            bundle=paths.bundle,
+            rootfs=paths.rootfs,
+            spec=spec,
+            runc=runc,
+            policy=cr.policy,
+            versions=cr.pipeline.versions,
+        )
+
+    def _on_exit(self, ex: Exit) -> None:
+        self._exits[ex.pid] = ex
+        init = self.init
+        if init is not None and ex.pid == init.pid and init.exit is None:
+            init.set_exited(ex.status, ex.timestamp)
+
+    async def _forward_signals(self) -> None:
+        """Each byte from the task process is a signal it caught; returns at EOF."""
+        loop = asyncio.get_running_loop()
+        self.front.setblocking(False)
+        while True:
+            try:
+                data = await loop.sock_recv(self.front, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            for sig in data:
+                await self._signal(sig)
+
+    async def _signal(self, sig: int) -> None:
+        init, cr, host = self.init, self.cr, self.host
+        if init is None or cr is None or host is None:
+            self._pending.append(sig)  # still starting: delivered once it runs
+            return
+        if init.exit is not None:
+            return
+        if sig in STOP_SIGNALS and cr.request_stop(init, host.target, sig):
+            return  # checkpointed first; the job dies once the checkpoint is durable
+        with contextlib.suppress(ShimError):
+            await host.runc.kill(self.request.container_id, sig)
+
+    async def _control(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        init, cr, host = self.init, self.cr, self.host
+        assert init is not None and cr is not None and host is not None
+        if op == "status":
+            return {
+                "job": self.request.job_id,
+                "step": self.request.step_id,
+                "uid": self.request.uid,
+                "scope": cr.policy.scope,
+                "label": cr.policy.label,
+                "mode": cr.policy.mode.value,
+                "state": init.state.value,
+                "pid": init.pid,
+                "runner_pid": os.getpid(),
+            }
+        if op == "checkpoint":
+            entry = await cr.checkpoint(init, host.target, DumpRequest("manual"))
+            return {
+                "checkpoint": entry.id,
+                "label": entry.label,
+                "scope": entry.scope,
+                "size": entry.size,
+                "job": self.request.job_id,
+            }
+        raise InvalidArgument(f"unknown control request {op!r}: use checkpoint or status")
+
+    async def _kill_all(self) -> None:
+        if self.host is not None:
+            with contextlib.suppress(NotFound, ShimError):
+                await self.host.runc.kill(self.request.container_id, signal.SIGKILL, all=True)
+
+    def _report(self, status: int) -> None:
+        with contextlib.suppress(OSError):
+            self.front.setblocking(True)
+            self.front.sendall(f"{status}\n".encode())
+
+    async def _cleanup(self) -> None:
+        if self.host is not None:
+            with contextlib.suppress(ShimError, OSError):
+                await self.host.runc.delete(self.request.container_id, force=True)
+        with contextlib.suppress(ShimError, OSError):
+            await asyncio.to_thread(unmount_all, self.paths.rootfs)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.paths.rootfs)  # never rmtree: it may still be the host's root
+        with contextlib.suppress(ShimError, OSError):
+            await asyncio.to_thread(unmount_all, self.paths.bundle)
+        shutil.rmtree(self.paths.bundle, ignore_errors=True)
+
+
+def _let_go_of_stdio() -> None:
+    """Once the step is over, the step's stdio is not ours to hold or write to."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+__all__ = ["EXIT_RUNNER_FAILED", "JobEvents", "JobPaths", "JobRun", "PipelinesFactory"]

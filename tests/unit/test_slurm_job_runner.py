@@ -1,0 +1,113 @@
+"""The runner's side of the contract with the SPANK plugin: its command line, the
+scope of the job's labels, and how it fails when it cannot protect a job."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import subprocess
+import sys
+
+import pytest
+from cedana_shim.errors import InvalidArgument
+from cedana_shim.slurm.runner import EXIT_RUNNER_FAILED, job_scope, parse_request
+
+ARGV = ["--job-id", "42", "--step-id", "batch", "--uid", "1000", "--gid", "100"]
+RUNNER = (
+    "import sys; from cedana_shim.cli.wiring import NodePipelines; "
+    "from cedana_shim.slurm.runner import main; sys.exit(main(sys.argv[1:], NodePipelines))"
+)
+
+
+def test_parse_request_takes_the_plugins_argv_and_the_jobs_environment() -> None:
+    request, config = parse_request(
+        [
+            *(*ARGV, "--gids", "100,27", "--cwd", "/home/ada", "--config", "/etc/c.toml"),
+            *("--", "/home/ada/job.sh", "--x", "--", "y"),
+        ],
+        {"CEDANA_SLURM": "1", "CEDANA_CHECKPOINT": "v", "HOME": "/home/ada"},
+    )
+    assert (request.job_id, request.step_id, request.uid, request.gid) == ("42", "batch", 1000, 100)
+    assert request.gids == (100, 27)
+    assert request.cwd == "/home/ada"
+    assert request.argv == ("/home/ada/job.sh", "--x", "--", "y")
+    assert dict(request.env) == {"CEDANA_CHECKPOINT": "v", "HOME": "/home/ada"}
+    assert request.name == "42.batch"
+    assert request.container_id == "slurm-42.batch"
+    assert config == "/etc/c.toml"
+    request, config = parse_request([*ARGV, "--cwd", "/", "--", "a.sh"], {})
+    assert (request.gids, config) == ((), "")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([*ARGV, "--cwd", "/", "--"], "no job command"),
+        (["--job-id", "4/2", *ARGV[2:], "--cwd", "/", "--", "x"], "is not a number"),
+        (["--job-id", "42", "--step-id", "../b", *ARGV[4:], "--cwd", "/", "--", "x"], "step id"),
+        ([*ARGV, "--gids", "a,b", "--cwd", "/", "--", "x"], "not a list of numbers"),
+        ([*ARGV, "--cwd", "/", "--config", "c.toml", "--", "x"], "not an absolute path"),
+    ],
+)
+def test_parse_request_refuses_a_bad_command_line(argv: list[str], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        parse_request(argv, {})
+
+
+def test_scope_is_the_cluster_and_the_user_of_the_uid() -> None:
+    me = pwd.getpwuid(os.getuid()).pw_name
+    assert job_scope("hpc1", os.getuid()) == f"slurm-hpc1-{me}"
+    unknown = 2_000_000_000
+    with pytest.raises(KeyError):
+        pwd.getpwuid(unknown)
+    assert job_scope("hpc1", unknown) == f"slurm-hpc1-uid{unknown}"
+    with pytest.raises(InvalidArgument, match="SLURM_CLUSTER_NAME"):
+        job_scope("", os.getuid())
+    with pytest.raises(InvalidArgument, match="cluster name"):
+        job_scope("a/b", os.getuid())
+
+
+def run_runner(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-c", RUNNER, *argv], env=env, capture_output=True, timeout=30
+    )
+
+
+def test_a_job_that_cannot_be_protected_fails_with_the_reason() -> None:
+    done = run_runner(
+        [*ARGV, "--cwd", "/", "--", "/bin/true"],
+        {"SLURM_CLUSTER_NAME": "hpc1", "CEDANA_CHECKPOINT": "bad label!"},
+    )
+    assert done.returncode == EXIT_RUNNER_FAILED
+    assert b"cedana: cannot protect this job: checkpoint label 'bad label!'" in done.stderr
+    done = run_runner([*ARGV, "--cwd", "/", "--", "/bin/true"], {"CEDANA_ENABLE": "1"})
+    assert done.returncode == EXIT_RUNNER_FAILED
+    assert b"SLURM_CLUSTER_NAME" in done.stderr
+
+
+def test_a_job_that_did_not_opt_in_runs_as_it_would_without_us() -> None:
+    me = os.getuid()
+    done = run_runner(
+        [
+            *("--job-id", "42", "--step-id", "batch", "--uid", str(me), "--gid", str(os.getgid())),
+            *("--cwd", "/", "--", "/bin/sh", "-c", 'pwd; echo "$X"; exit 4'),
+        ],
+        {"SLURM_CLUSTER_NAME": "hpc1", "CEDANA_ENABLE": "0", "X": "kept", "PATH": "/bin"},
+    )
+    assert done.returncode == 4, done.stderr
+    assert done.stdout == b"/\nkept\n"
+    assert done.stderr == b""
+
+
+def test_the_jobs_environment_can_come_from_a_file_descriptor() -> None:
+    r, w = os.pipe()
+    os.write(w, b"CEDANA_CHECKPOINT=v\0X=a=b\0CEDANA_SLURM=1\0broken\0")
+    os.close(w)
+    request, _ = parse_request(
+        [*ARGV, "--cwd", "/", "--env-fd", str(r), "--", "job.sh"], {"LD_PRELOAD": "/evil.so"}
+    )
+    assert dict(request.env) == {"CEDANA_CHECKPOINT": "v", "X": "a=b"}
+    with pytest.raises(OSError):
+        os.fstat(r)  # read and closed
+    with pytest.raises(InvalidArgument, match="cannot read the job's environment from fd"):
+        parse_request([*ARGV, "--cwd", "/", "--env-fd", str(r), "--", "job.sh"], {})
