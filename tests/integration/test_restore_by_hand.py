@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import grpc
+import grpc  # type: ignore[import-untyped, unused-ignore]
 import pytest
 from cedana_shim.checkpoint.store import Store, StoreConfig
 
@@ -79,7 +79,8 @@ def three_checkpoints(
         checkpoint_id = checkpoint(containerd, cid, namespace)
         after = count()
         taken.append((checkpoint_id, before, after))
-        wait_for(lambda a=after: count() > a + GAP, timeout=30, what="counting on")
+        floor = after + GAP
+        wait_for(lambda: count() > floor, timeout=30, what="counting on")  # noqa: B023 (waited on here)
     return taken
 
 

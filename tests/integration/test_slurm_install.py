@@ -9,6 +9,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,14 +44,14 @@ def _snapshot(root: Path) -> Snapshot:
     return out
 
 
-def _slurm(*args: str) -> dict[str, object]:
+def _slurm(*args: str) -> dict[str, Any]:
     done = cedana("slurm", *args, "--json")
     assert done.returncode == 0, done.stderr
     result: dict[str, object] = json.loads(done.stdout)
     return result
 
 
-def _install(cluster: SlurmCluster, prefix: Path, runner: Path, *more: str) -> dict[str, object]:
+def _install(cluster: SlurmCluster, prefix: Path, runner: Path, *more: str) -> dict[str, Any]:
     return _slurm(
         "install",
         "--node-role",
@@ -65,7 +66,7 @@ def _install(cluster: SlurmCluster, prefix: Path, runner: Path, *more: str) -> d
     )
 
 
-def _uninstall(cluster: SlurmCluster, prefix: Path) -> dict[str, object]:
+def _uninstall(cluster: SlurmCluster, prefix: Path) -> dict[str, Any]:
     return _slurm("uninstall", "--slurm-conf", str(cluster.conf), "--prefix", str(prefix))
 
 
@@ -90,7 +91,7 @@ def test_worker_install_writes_a_dropin_and_uninstall_gives_everything_back(
     assert status["ok"] is True and status["role"] == "worker" and status["line_present"]
 
     report = _uninstall(cluster, prefix)
-    assert sorted(report["changed"]) == sorted([str(plugin), str(dropin)])  # type: ignore[arg-type]
+    assert sorted(report["changed"]) == sorted([str(plugin), str(dropin)])
     assert _snapshot(cluster.etc) == before
     assert not prefix.exists()
 
@@ -126,7 +127,7 @@ def test_a_plugstack_edited_after_install_keeps_the_edit(
     dropin.write_text(dropin.read_text() + "# added by the site\n")
     report = _uninstall(cluster, prefix)
     assert dropin.read_text() == "# added by the site\n"
-    assert any("changed since install" in n for n in report["notes"])  # type: ignore[union-attr]
+    assert any("changed since install" in n for n in report["notes"])
     dropin.unlink()
 
 
@@ -171,7 +172,7 @@ def test_a_configless_controller_hands_the_line_out(tmp_path: Path) -> None:
             str(runner),
         )
         assert report["changed"] == [str(cluster.plugstack_d / "cedana.conf")]
-        assert any("scontrol reconfigure" in n for n in report["notes"])  # type: ignore[union-attr]
+        assert any("scontrol reconfigure" in n for n in report["notes"])
         _uninstall(cluster, prefix)
         assert _snapshot(cluster.etc) == before
 

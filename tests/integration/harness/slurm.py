@@ -185,7 +185,7 @@ PartitionName=high Nodes={self.node} PriorityTier=2 MaxTime=INFINITE State=UP
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-                notes.append(f"{proc.args[0]} killed")
+                notes.append(f"{proc.args!r} killed")
         self._procs.clear()
         notes += self._kill_stepds()
         if self._munged_pid.exists():

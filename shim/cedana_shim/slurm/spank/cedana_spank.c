@@ -24,7 +24,7 @@
  * us. Only the batch step is handed over (srun steps inside it are Slurm's own).
  */
 
-#define _GNU_SOURCE /* setresuid, setresgid */
+#define _GNU_SOURCE /* setresuid, setresgid, memfd_create */
 
 #include <errno.h>
 #include <grp.h>
@@ -34,6 +34,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -174,21 +175,41 @@ static char *format_gids(int ngids, const gid_t *gids)
 	return out;
 }
 
-static char **runner_envp(char **env)
+/*
+ * The job's environment goes to the runner on a memfd, never as the runner's own
+ * environment: the runner is a root Python, and a user's LD_PRELOAD, PYTHONPATH or
+ * PYTHONHOME would act on the loader and interpreter before any of its code runs.
+ */
+static int job_env_fd(char **env)
 {
-	size_t n = 0;
-	char **out;
+	int fd = memfd_create("cedana-job-env", 0);
 
-	while (env && env[n])
-		n++;
-	out = calloc(n + 2, sizeof(char *));
-	if (!out)
-		return NULL;
-	for (size_t i = 0; i < n; i++)
-		out[i] = env[i];
-	out[n] = "CEDANA_SLURM=1";
-	return out;
+	if (fd < 0)
+		return -1;
+	for (size_t i = 0; env && env[i]; i++) {
+		size_t len = strlen(env[i]) + 1; /* with its NUL separator */
+		const char *p = env[i];
+
+		while (len > 0) {
+			ssize_t w = write(fd, p, len);
+
+			if (w < 0) {
+				close(fd);
+				return -1;
+			}
+			p += w;
+			len -= (size_t)w;
+		}
+	}
+	if (lseek(fd, 0, SEEK_SET) < 0) {
+		close(fd);
+		return -1;
+	}
+	return fd;
 }
+
+static char *const runner_envp[] = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "CEDANA_SLURM=1",
+				    NULL};
 
 /* Returns only on failure: 1 when the process identity was already changed. */
 static int exec_runner(spank_t sp, const char *runner, const char *config, uid_t uid, gid_t gid,
@@ -196,8 +217,9 @@ static int exec_runner(spank_t sp, const char *runner, const char *config, uid_t
 {
 	uint32_t job_id;
 	int argc = 0;
-	char **argv = NULL, **env = NULL, **envp, **args;
-	char job[16], uid_s[16], gid_s[16], cwd[PATH_MAX], *gid_list;
+	char **argv = NULL, **env = NULL, **args;
+	char job[16], uid_s[16], gid_s[16], env_fd_s[16], cwd[PATH_MAX], *gid_list;
+	int env_fd;
 	int n = 0, changed = 0;
 
 	if (spank_get_item(sp, S_JOB_ID, &job_id) != ESPANK_SUCCESS ||
@@ -212,9 +234,15 @@ static int exec_runner(spank_t sp, const char *runner, const char *config, uid_t
 	snprintf(uid_s, sizeof(uid_s), "%u", (unsigned)uid);
 	snprintf(gid_s, sizeof(gid_s), "%u", (unsigned)gid);
 	gid_list = format_gids(ngids, gids);
-	envp = runner_envp(env);
-	args = calloc((size_t)argc + 20, sizeof(char *));
-	if (!gid_list || !envp || !args) {
+	env_fd = job_env_fd(env);
+	if (env_fd < 0) {
+		slurm_error("cedana: cannot pass the job's environment: %s; job runs without "
+			    "checkpoints", strerror(errno));
+		return 0;
+	}
+	snprintf(env_fd_s, sizeof(env_fd_s), "%d", env_fd);
+	args = calloc((size_t)argc + 22, sizeof(char *));
+	if (!gid_list || !args) {
 		slurm_error("cedana: out of memory; job runs without checkpoints");
 		return 0;
 	}
@@ -233,6 +261,8 @@ static int exec_runner(spank_t sp, const char *runner, const char *config, uid_t
 	}
 	args[n++] = "--cwd";
 	args[n++] = cwd;
+	args[n++] = "--env-fd";
+	args[n++] = env_fd_s;
 	if (config) {
 		args[n++] = "--config";
 		args[n++] = (char *)config;
@@ -248,9 +278,10 @@ static int exec_runner(spank_t sp, const char *runner, const char *config, uid_t
 		changed = 1;
 		goto fail;
 	}
-	execve(runner, args, envp);
+	execve(runner, args, runner_envp);
 	changed = 1;
 fail:
+	close(env_fd);
 	slurm_error("cedana: cannot hand over to %s: %s; job runs without checkpoints", runner,
 		    strerror(errno));
 	return changed;
