@@ -175,7 +175,7 @@ def test_checkpoint_of_a_runc_container_names_the_runtime(node: Node, new_id: Ne
         assert proc.returncode == 1
         assert proc.stderr.startswith(f"cedana: the shim of container {cid} (unix://")
         assert "does not serve cedana.shim.v1.Checkpoint: is the container running under " \
-            "the cedana runtime (io.containerd.cedana.v2)?" in proc.stderr  # fmt: skip
+            "the `cedana` handler?" in proc.stderr  # fmt: skip
         task = node.ctr.task(cid)
         assert task is not None and task.status == "RUNNING"
     finally:

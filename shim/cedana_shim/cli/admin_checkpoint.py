@@ -222,7 +222,7 @@ def _explain(
     if isinstance(err, errors.Unimplemented):
         return CliError(
             f"the shim of container {cid} ({address}) does not serve {SERVICE}: is the "
-            f"container running under the cedana runtime (io.containerd.cedana.v2)? ({err})"
+            f"container running under the `cedana` handler? ({err})"
         )
     if isinstance(err, errors.DeadlineExceeded) and timeout is not None:
         return CliError(

@@ -68,7 +68,10 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--shim-config",
         default=reg.DEFAULT_SHIM_CONFIG,
         metavar="PATH",
-        help="the node config's host path, also the runtime's ConfigPath (default %(default)s)",
+        help=(
+            "the node config's host path (default %(default)s; another path only on "
+            "containerd 1.6, where it is the handler's ConfigPath)"
+        ),
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 

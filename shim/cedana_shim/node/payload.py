@@ -271,7 +271,8 @@ def build(output: str) -> Manifest:
             raise PayloadError(
                 f"the bundled interpreter took its standard library from {prefix}, not from "
                 f"{output}: this Python ({interpreter}) cannot be relocated; build the "
-                "payload from a relocatable CPython (python-build-standalone)"
+                "payload from a relocatable CPython, or use the node image "
+                "(packaging/image/build.py)"
             )
         notes = portability_notes(output, pyver)
         manifest = Manifest(
