@@ -164,12 +164,16 @@ def test_an_opted_in_batch_step_is_handed_to_the_runner(
     assert record["uid"] == "0" and int(record["caps"], 16) != 0
     assert record["pid"] == record["task_pid"]
     assert record["cedana_slurm"] == "1"
+    # The job's environment reached it on a file descriptor, not as its own.
+    assert record["own_env"] == "0"
     assert record["cwd"] == str(node.cluster.jobs)
     script = f"{node.cluster.dir}/spool/job{job_id:05d}/slurm_script"
     assert record["argv"] == (
         f"--job-id|{job_id}|--step-id|batch|--uid|{user.uid}|--gid|{user.gid}|"
-        f"--gids|{user.gid}|--cwd|{node.cluster.jobs}|--config|{SHIM_CONFIG}|--|{script}|"
+        f"--gids|{user.gid}|--cwd|{node.cluster.jobs}|--env-fd|{record['env_fd']}|"
+        f"--config|{SHIM_CONFIG}|--|{script}|"
     )
+    assert record["env_fd"].isdigit()
     # The job itself: the user, no capability left over, Slurm's environment.
     assert printed["uid"] == str(user.uid) and printed["gid"] == str(user.gid)
     assert printed["CapPrm"] == printed["CapEff"] == "0000000000000000"

@@ -169,7 +169,7 @@ def main(argv: Sequence[str], pipelines: PipelinesFactory) -> int:
     try:
         request, config_path = parse_request(argv, env)
         request = replace(request, umask=job_umask)
-        scope = job_scope(env.get(CLUSTER_ENV, ""), request.uid)
+        scope = job_scope(request.env.get(CLUSTER_ENV, ""), request.uid)
         spec = {"process": {"env": [f"{k}={v}" for k, v in request.env.items()]}}
         policy = policy_for(spec, request.container_id, scope)
     except ShimError as err:

@@ -378,18 +378,22 @@ def cedana(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 # job as its user (what the real runner does inside a container).
 FAKE_RUNNER = """\
 #!/bin/bash
-record=@RECORDS@/runner.$SLURM_JOB_ID
-{
-  echo "uid=$(id -u) caps=$(awk '/^CapEff/ {print $2}' /proc/self/status)"
-  echo "pid=$$ task_pid=$SLURM_TASK_PID cedana_slurm=$CEDANA_SLURM cwd=$(pwd)"
-  printf 'argv='; printf '%s|' "$@"; echo
-} > "$record"
+# As the real runner: the job's environment comes on --env-fd, not as our own.
+args=("$@")
 while [ "$1" != "--" ]; do
-  case $1 in --uid) u=$2;; --gid) g=$2;; --cwd) c=$2;; esac
+  case $1 in --job-id) j=$2;; --uid) u=$2;; --gid) g=$2;; --cwd) c=$2;; --env-fd) fd=$2;; esac
   shift
 done
 shift
-cd "$c" && exec setpriv --reuid="$u" --regid="$g" --init-groups "$@"
+readarray -d '' jobenv < "/proc/self/fd/$fd"
+task_pid=$(printf '%s\\n' "${jobenv[@]}" | sed -n 's/^SLURM_TASK_PID=//p')
+{
+  echo "uid=$(id -u) caps=$(awk '/^CapEff/ {print $2}' /proc/self/status)"
+  echo "pid=$$ task_pid=$task_pid cedana_slurm=$CEDANA_SLURM cwd=$(pwd)"
+  echo "own_env=$(env | grep -c '^SLURM_') env_fd=$fd"
+  printf 'argv='; printf '%s|' "${args[@]}"; echo
+} > "@RECORDS@/runner.$j"
+cd "$c" && exec env -i "${jobenv[@]}" setpriv --reuid="$u" --regid="$g" --init-groups "$@"
 """
 
 
@@ -401,7 +405,8 @@ def write_fake_runner(path: Path, records: Path) -> Path:
 
 
 def runner_record(records: Path, job_id: int) -> dict[str, str]:
-    """What the fake runner recorded: uid, caps, pid, task_pid, cedana_slurm, cwd, argv."""
+    """What the fake runner recorded: uid, caps, pid, task_pid, cedana_slurm, cwd,
+    own_env (how many SLURM_* variables its own environment had), argv."""
     path = records / f"runner.{job_id}"
     if not path.exists():
         return {}
