@@ -931,7 +931,7 @@ def test_checkpoint_shim_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert r.rc == 1
     assert r.err.startswith(
         f"cedana: the shim of container c3 ({fake.address}) does not serve "
-        "cedana.shim.v1.Checkpoint: is the container running under the cedana runtime"
+        "cedana.shim.v1.Checkpoint: is the container running under the `cedana` handler?"
     )
 
     with FakeShim(delay=5) as fake:
