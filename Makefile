@@ -34,6 +34,7 @@ venv:
 	# containerd execs the shim on every container's critical path: replace pip's
 	# console-script wrapper with the fast launcher (no site, no re).
 	$(BIN)/python -m cedana_shim.launcher $(BIN)/containerd-shim-cedana-v2
+	$(BIN)/python -m cedana_shim.launcher $(BIN)/cedana-slurm-task --module cedana_shim.cli.slurm_task
 
 check:
 	$(BIN)/python scripts/gen_protos.py --check
