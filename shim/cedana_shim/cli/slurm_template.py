@@ -18,8 +18,9 @@ class KeeperTemplate(Template):
     The server was started by some job's task process: before it serves, it leaves
     that job's cgroups for the root ones (where each keeper must be anyway, see
     slurm/cgroups.py) and the job's mount namespace for pid 1's, so that no job's
-    resources are held by it; ``spawn_server(orphan=True)`` took it out of the job's
-    process tree, and ``setsid`` out of its session."""
+    resources are held by it (each keeper takes slurmstepd's rlimits, runner.py);
+    ``spawn_server(orphan=True)`` took it out of the job's process tree, and
+    ``setsid`` out of its session."""
 
     title = (TITLE, "template")
     comm = "cedana-slurm-tm"

@@ -262,6 +262,15 @@ def task_facts(pid: int = 0) -> TaskFacts:
     return TaskFacts(status, cgroup, rlimits_of(pid), oom, umask)
 
 
+def parent_of(pid: int) -> int:
+    """The parent pid of ``pid`` (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def rlimits_of(pid: int = 0) -> list[dict[str, Any]]:
     """The rlimits of process ``pid`` (0: this one), as Slurm set the task's."""
     out: list[dict[str, Any]] = []
@@ -272,6 +281,31 @@ def rlimits_of(pid: int = 0) -> list[dict[str, Any]]:
         soft, hard = resource.prlimit(pid, number)
         out.append({"type": f"RLIMIT_{name}", "soft": _limit(soft), "hard": _limit(hard)})
     return out
+
+
+def take_rlimits_of(*pids: int) -> list[str]:
+    """Set this process's rlimits to the highest of those of ``pids``, as far as it may
+    (raising a hard limit needs CAP_SYS_RESOURCE); the ones it could not set. The
+    keeper takes slurmstepd's and the task's: its own would otherwise be those of
+    whichever job's task process started the warm template, and runc and CRIU, its
+    children, set the job's limits (the user's) and need to be allowed to."""
+    failed = []
+    for name in _RLIMITS:
+        number = getattr(resource, f"RLIMIT_{name}", None)
+        if number is None:
+            continue
+        try:
+            limits = [resource.prlimit(pid, number) for pid in pids]
+            resource.setrlimit(number, (_highest(lim[0] for lim in limits),
+                                        _highest(lim[1] for lim in limits)))  # fmt: skip
+        except (OSError, ValueError):
+            failed.append(name)
+    return failed
+
+
+def _highest(values: Iterable[int]) -> int:
+    seen = list(values)
+    return resource.RLIM_INFINITY if resource.RLIM_INFINITY in seen else max(seen)
 
 
 def _limit(value: int) -> int:
@@ -409,6 +443,8 @@ __all__ = [
     "container_cgroup",
     "host_mounts",
     "job_cgroup",
+    "parent_of",
     "rlimits_of",
+    "take_rlimits_of",
     "task_facts",
 ]

@@ -199,6 +199,9 @@ def run_keeper(
     if not policy.enabled:
         _report(link, RUN_UNPROTECTED.decode())
         return 0
+    # Not the limits of whichever job's task started the warm template.
+    stepd = job_spec.parent_of(task_pid)
+    job_spec.take_rlimits_of(task_pid, *([stepd] if stepd > 1 else []))
     return _keeper(request, policy, config_path, pipelines, link)
 
 

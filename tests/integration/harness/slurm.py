@@ -210,6 +210,11 @@ PartitionName=high Nodes={self.node} PriorityTier=2 MaxTime=INFINITE State=UP
         self._procs.clear()
         notes += self._kill_stepds()
         stop_runner_template()
+        if self.proctrack == "cgroup":
+            # Slurm's own top cgroup (slurm_<node>), which Slurm never removes.
+            for top in Path("/sys/fs/cgroup").glob(f"*/slurm_{self.node}"):
+                with contextlib.suppress(OSError):
+                    top.rmdir()
         if self._munged_pid.exists():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(self._munged_pid.read_text()), signal.SIGTERM)
