@@ -76,3 +76,4 @@ bench:
 	$(BIN)/python bench/shim_memory.py $(BENCH_ARGS) --out bench/results/shim_memory.json
 	$(BIN)/python bench/checkpoint_restore.py $(BENCH_ARGS) --out bench/results/checkpoint_restore.json
 	$(BIN)/python bench/across_nodes.py $(BENCH_ARGS) --out bench/results/across_nodes.json
+	$(BIN)/python bench/slurm_launch.py --out bench/results/slurm_launch.json
