@@ -34,6 +34,7 @@ venv:
 	# containerd execs the shim on every container's critical path: replace pip's
 	# console-script wrapper with the fast launcher (no site, no re).
 	$(BIN)/python -m cedana_shim.launcher $(BIN)/containerd-shim-cedana-v2
+	$(BIN)/python -m cedana_shim.launcher $(BIN)/cedana-slurm-task --module cedana_shim.cli.slurm_task
 
 check:
 	$(BIN)/python scripts/gen_protos.py --check
@@ -75,3 +76,4 @@ bench:
 	$(BIN)/python bench/shim_memory.py $(BENCH_ARGS) --out bench/results/shim_memory.json
 	$(BIN)/python bench/checkpoint_restore.py $(BENCH_ARGS) --out bench/results/checkpoint_restore.json
 	$(BIN)/python bench/across_nodes.py $(BENCH_ARGS) --out bench/results/across_nodes.json
+	$(BIN)/python bench/slurm_launch.py --out bench/results/slurm_launch.json

@@ -9,6 +9,16 @@ the node with `cedana slurm install` and without it, interleaved (install, job,
 uninstall, job, ...). Each sample is slurmstepd's own task time (its log lines
 "task 0 started" to "task 0 exited", millisecond stamps): the runner's start,
 container create/start/teardown, against Slurm's plain execve. Target <= 100 ms.
+Three sides: not installed; installed, the keeper forked by the runner's warm
+template (every job after a node's first); installed, cold (the template stopped
+just before: the task process forks the keeper itself, imports included, and
+starts a new template in the background, as on a node's first protected job).
+resume launch: the same comparison for a job that resumes: a small job's
+checkpoint (taken on demand, the job then cancelled) is restored by each sample
+(CEDANA_RESTORE=<id>, as `cedana slurm restore` submits it); the restored job sees
+a marker made after the checkpoint and exits at once (it polls every 20 ms). Its
+task time against the same script's on the uninstalled node (marker there: exits
+at once).
 checkpoint: a job that holds 1 GiB of touched memory is requeued (`scontrol
 requeue`: Slurm sends SIGTERM and, KillWait later, SIGKILL); the sample is the time
 from the requeue to the checkpoint listed in the store, against KillWait.
@@ -39,6 +49,15 @@ from _common import (
 
 TARGET_LAUNCH_S = 0.100
 LAUNCH_SCRIPT = "#!/bin/bash\n#SBATCH --output=launch-%j.out\n#SBATCH --export=ALL,{export}\ntrue\n"
+# Waits for the marker, then exits: checkpointed while waiting, restored once it exists.
+# exec: a batch shell that stays holds Slurm's copy of its script open (spool/jobNNN/),
+# which a restore into another job id does not find (see the README's Slurm limits).
+RESUME_SCRIPT = """\
+#!/bin/bash
+#SBATCH --output=resume-%j.out
+#SBATCH --export=ALL,{export}
+exec /bin/sh -c 'while [ ! -e {marker} ]; do sleep 0.02; done'
+"""
 # 1 GiB touched, then a counter every 0.1 s: what a restore must bring back.
 HOG_SCRIPT = """\
 #!/bin/bash
@@ -88,7 +107,12 @@ def main() -> int:
     require_root()
     install_signal_handlers()
     from tests.integration.harness.config import SHIM_BIN_DIR
-    from tests.integration.harness.slurm import cedana, running_cluster
+    from tests.integration.harness.slurm import (
+        cedana,
+        runner_template,
+        running_cluster,
+        stop_runner_template,
+    )
     from tests.integration.harness.util import wait_for
 
     runner = args.runner or str(SHIM_BIN_DIR / "cedana-slurm-task")
@@ -115,31 +139,72 @@ def main() -> int:
             if done.returncode != 0:
                 raise SystemExit(f"cedana slurm uninstall: {done.stderr.strip()}")
 
-        def launch_sample() -> float:
-            script = cluster.write_script(
-                "launch.sh", LAUNCH_SCRIPT.format(export="CEDANA_ENABLE=1")
-            )
-            job_id = cluster.sbatch(script)
+        last_job = [0]
+
+        def task_time(script: Path) -> float:
+            job_id = last_job[0] = cluster.sbatch(script)
             fields = cluster.wait_state(job_id, "COMPLETED", "FAILED", timeout=60)
             if fields["JobState"] != "COMPLETED":
-                raise SystemExit(f"launch job {job_id} failed: {fields.get('ExitCode')}")
+                raise SystemExit(f"job {job_id} ({script.name}) failed: {fields.get('ExitCode')}")
             times = wait_for(
                 lambda: task_times(cluster.slurmd_log(), job_id), timeout=10, what="task lines"
             )
             return times[1] - times[0]
 
-        samples: dict[str, list[float]] = {"installed": [], "not installed": []}
-        for _ in range(args.runs):
-            install()
-            samples["installed"].append(launch_sample())
-            uninstall()
-            samples["not installed"].append(launch_sample())
-        launch = {side: summarize(values) for side, values in samples.items()}
-        overhead = launch["installed"].median - launch["not installed"].median
-        report.results["launch_s"] = {side: s.as_dict() for side, s in launch.items()}
-        report.results["launch_overhead_s"] = round(overhead, 4)
-
+        launch = cluster.write_script("launch.sh", LAUNCH_SCRIPT.format(export="CEDANA_ENABLE=1"))
+        sides = ("not installed", "installed (warm template)", "installed (cold)")
+        samples: dict[str, list[float]] = {side: [] for side in sides}
         install()
+        task_time(launch)  # the node's first protected job: it starts the template
+        for _ in range(args.runs):
+            samples[sides[1]].append(task_time(launch))
+            stop_runner_template()
+            wait_for(lambda: runner_template() is None, timeout=10, what="template gone")
+            samples[sides[2]].append(task_time(launch))
+            uninstall()
+            samples[sides[0]].append(task_time(launch))
+            install()
+            wait_for(lambda: runner_template() is not None, timeout=30, what="the template")
+        launch_s = {side: summarize(values) for side, values in samples.items()}
+        overhead = launch_s[sides[1]].median - launch_s[sides[0]].median
+        cold_overhead = launch_s[sides[2]].median - launch_s[sides[0]].median
+        report.results["launch_s"] = {side: s.as_dict() for side, s in launch_s.items()}
+        report.results["launch_overhead_s"] = round(overhead, 4)
+        report.results["launch_overhead_cold_s"] = round(cold_overhead, 4)
+
+        # A job that resumes: one small checkpoint, restored by every sample.
+        marker = cluster.jobs / "resume-marker"
+        first = cluster.sbatch(
+            cluster.write_script(
+                "resume-first.sh", RESUME_SCRIPT.format(export="CEDANA_ENABLE=1", marker=marker)
+            )
+        )
+        cluster.wait_state(first, "RUNNING", timeout=60)
+        asked = wait_for(lambda: (lambda d: d if d.returncode == 0 else None)(
+            cedana("slurm", "checkpoint", str(first), "--json")), timeout=30,
+            what="an on-demand checkpoint")  # fmt: skip
+        checkpoint = json.loads(asked.stdout)["checkpoint"]
+        cluster.cancel(first)
+        cluster.wait_state(first, "CANCELLED", "COMPLETED", "FAILED", timeout=60)
+        marker.touch()
+        resume = cluster.write_script("resume.sh", RESUME_SCRIPT.format(
+            export=f"CEDANA_ENABLE=1,CEDANA_RESTORE={checkpoint}", marker=marker))  # fmt: skip
+        resumed: dict[str, list[float]] = {"not installed": [], "installed (resumes)": []}
+        for _ in range(args.runs):
+            resumed["installed (resumes)"].append(task_time(resume))
+            out = cluster.jobs / f"resume-{last_job[0]}.out"
+            if f"restored from {checkpoint}" not in out.read_text(errors="replace"):
+                raise SystemExit(f"the resume sample did not restore: {out.read_text()[:300]}")
+            uninstall()
+            resumed["not installed"].append(task_time(resume))
+            install()
+        resume_launch = {side: summarize(values) for side, values in resumed.items()}
+        resume_overhead = (
+            resume_launch["installed (resumes)"].median - resume_launch["not installed"].median
+        )
+        report.results["resume_launch_s"] = {side: s.as_dict() for side, s in resume_launch.items()}
+        report.results["resume_launch_overhead_s"] = round(resume_overhead, 4)
+
         hog = cluster.write_script("hog.sh", HOG_SCRIPT)
         job_id = cluster.sbatch(hog)
         cluster.wait_state(job_id, "RUNNING", timeout=60)
@@ -173,12 +238,15 @@ def main() -> int:
         uninstall()
 
     rows = [
-        [side, f"{s.median * 1000:.0f}", f"{s.p10 * 1000:.0f}", f"{s.p90 * 1000:.0f}"]
-        for side, s in launch.items()
+        [side, f"{s.median * 1000:.0f}", f"{s.min * 1000:.0f}-{s.max * 1000:.0f}", str(s.n)]
+        for side, s in [*launch_s.items(), *resume_launch.items()]
     ]
-    print_table(["launch (task time)", "median ms", "p10 ms", "p90 ms"], rows)
+    print_table(["task time (launch, then resume)", "median ms", "min-max ms", "n"], rows)
     print(f"launch overhead: {overhead * 1000:.0f} ms ({verdict(overhead, TARGET_LAUNCH_S)} "
-          f"<= {TARGET_LAUNCH_S * 1000:.0f} ms)")  # fmt: skip
+          f"<= {TARGET_LAUNCH_S * 1000:.0f} ms); cold (no template): "
+          f"{cold_overhead * 1000:.0f} ms")  # fmt: skip
+    print(f"launch overhead of a job that resumes (small checkpoint): "
+          f"{resume_overhead * 1000:.0f} ms")  # fmt: skip
     print(f"SIGTERM -> checkpoint committed (1 GiB): {commit_s:.1f} s "
           f"({verdict(commit_s, cluster.kill_wait)} KillWait {cluster.kill_wait} s)")  # fmt: skip
     print(f"resume on requeue (task start -> next output line): {resume_s:.2f} s")

@@ -4,16 +4,16 @@ contract's arguments) and leaves every other job exactly as Slurm runs it."""
 
 from __future__ import annotations
 
-import json
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cedana_shim.slurm.job_spec import checkpoint_obstacle
 
 from .harness.config import SHIM_BIN_DIR
 from .harness.slurm import (
-    CLUSTER_NAME,
     TEST_USERS,
     SlurmCluster,
     User,
@@ -25,6 +25,7 @@ from .harness.slurm import (
     running_cluster,
     write_fake_runner,
 )
+from .harness.slurm_jobs import VICTIM_EXPORT, Protected, wait_nothing_left
 from .harness.util import wait_for
 
 SHIM_CONFIG = Path("/etc/cedana/slurm-itest.toml")
@@ -199,81 +200,6 @@ def test_a_broken_runner_leaves_the_job_running_unprotected(
 
 # -- end to end, with the real runner ---------------------------------------------------
 
-RUNNER = SHIM_BIN_DIR / "cedana-slurm-task"
-VICTIM_EXPORT = "CEDANA_ENABLE=1,CEDANA_CHECKPOINT=victim"
-
-
-class Protected:
-    """A node installed with the real runner and a private store."""
-
-    def __init__(self, cluster: SlurmCluster, prefix: Path) -> None:
-        self.cluster = cluster
-        self.prefix = prefix
-        self.store = cluster.dir / "store"
-        self.config = cluster.dir / "shim.toml"
-        self.config.write_text(
-            f'store_path = "{self.store}"\nlog_file = "{cluster.dir / "log" / "shim.log"}"\n'
-        )
-
-    def install(self) -> None:
-        done = cedana(
-            "slurm", "install", "--node-role", "worker", "--slurm-conf", str(self.cluster.conf),
-            "--prefix", str(self.prefix), "--runner", str(RUNNER),
-            "--shim-config", str(self.config),
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr
-
-    def uninstall(self) -> None:
-        done = cedana(
-            "slurm", "uninstall", "--slurm-conf", str(self.cluster.conf),
-            "--prefix", str(self.prefix),
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr
-
-    def checkpoints(self, user: str, label: str) -> list[dict[str, object]]:
-        scope = f"slurm-{CLUSTER_NAME}-{user}"
-        done = cedana(
-            "checkpoints", "list", "--store", str(self.store), "--json",
-            "--namespace", scope, "--label", label,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        listed: list[dict[str, object]] = json.loads(done.stdout)
-        return listed
-
-    def wait_checkpoint(self, user: str, label: str) -> None:
-        wait_for(
-            lambda: self.checkpoints(user, label),
-            timeout=self.cluster.kill_wait + 30,
-            interval=0.5,
-            what=f"a checkpoint of {user}'s {label}",
-        )
-
-    def victim(self, name: str, export: str = VICTIM_EXPORT) -> int:
-        """Root's victim: CRIU must read the job's rlimits, which a root without
-        CAP_SYS_RESOURCE (this test machine's bounding set lacks it) may do only
-        for its own uid's processes."""
-        script = self.cluster.write_script(
-            f"{name}.sh",
-            counter_script(f"{name}.out", export=export, options=("--exclusive", "--requeue")),
-        )
-        job_id = self.cluster.sbatch(script, "--partition=low")
-        self.cluster.wait_state(job_id, "RUNNING", timeout=60)
-        self.cluster.wait_output(f"{name}.out", r"^Counter: 3$", timeout=60)
-        return job_id
-
-    def requeued_and_resumed(self, job_id: int, name: str, before: int) -> list[int]:
-        """Wait for the requeue, start the job again, and for it to count past
-        ``before``; the counters printed since the restart."""
-        fields = self.cluster.wait_state(job_id, "PENDING", timeout=self.cluster.kill_wait + 60)
-        assert fields["Restarts"] == "1"
-        self.cluster.release(job_id)
-        self.cluster.wait_state(job_id, "RUNNING", timeout=60)
-        text = self.cluster.wait_output(f"{name}.out", rf"^Counter: {before + 3}$", timeout=90)
-        assert "\0" not in text, "the restored job wrote at its old offset into a truncated file"
-        values = counters(text)
-        restart = values.index(before) + 1 if before in values else 0
-        return values[restart:]
-
 
 @pytest.fixture
 def protected(cluster: SlurmCluster, tmp_path: Path) -> Iterator[Protected]:
@@ -285,21 +211,7 @@ def protected(cluster: SlurmCluster, tmp_path: Path) -> Iterator[Protected]:
 
 
 def test_a_preempted_victim_resumes_its_count_after_the_requeue(protected: Protected) -> None:
-    cluster = protected.cluster
-    victim = protected.victim("victim")
-    preemptor = cluster.write_script(
-        "preemptor.sh",
-        counter_script("preemptor.out", export=None, seconds=3, options=("--exclusive",)),
-    )
-    pre_id = cluster.sbatch(preemptor, "--partition=high")
-    cluster.wait_state(victim, "PENDING", "REQUEUED", "COMPLETING", timeout=60)
-    before = max(counters(cluster.output("victim.out")))
-    protected.wait_checkpoint("root", "victim")
-    cluster.wait_state(pre_id, "COMPLETED", timeout=60)
-
-    after = protected.requeued_and_resumed(victim, "victim", before)
-    assert after and 0 not in after and after[0] > before - 3, after
-    assert cluster.job(victim)["Restarts"] == "1"
+    protected.preempted_and_resumed("victim")
 
 
 def test_scontrol_requeue_resumes_and_another_user_never_gets_the_checkpoint(
@@ -326,50 +238,78 @@ def test_scontrol_requeue_resumes_and_another_user_never_gets_the_checkpoint(
     assert after and 0 not in after, after
 
 
-# 3 GiB of random bytes: dumping them takes longer than slurmd's grace before SIGKILL
-# (MAX(KillWait, 5) seconds in 22.05's _rpc_terminate_job; KillWait=1 here).
-HOG = """\
-#!/bin/bash
-#SBATCH --output=hog.out
-#SBATCH --requeue
-#SBATCH --export=ALL,CEDANA_CHECKPOINT=hog
-exec python3 -u -c '
-import os, time
-hog = [os.urandom(1 << 30) for _ in range(3)]
-i = 0
-while True:
-    print(f"Counter: {i}", flush=True)
-    i += 1
-    time.sleep(0.2)
-'
-"""
+def test_periodic_checkpoints_while_running_and_a_requeue_resumes_from_the_latest(
+    protected: Protected,
+) -> None:
+    """CEDANA_CHECKPOINT_INTERVAL: checkpoints while the job runs; after a hard end
+    with no checkpoint of its own (SIGKILL: a crashed node, the OOM killer), the
+    requeued job resumes from the latest of them."""
+    cluster = protected.cluster
+    export = "ALL,CEDANA_CHECKPOINT=periodic,CEDANA_CHECKPOINT_INTERVAL=10s"
+    job_id = protected.victim("periodic", export=export)
+
+    def two() -> list[dict[str, object]] | None:
+        listed = protected.checkpoints("root", "periodic")
+        return listed if len(listed) >= 2 else None
+
+    wait_for(two, timeout=45, interval=0.5, what="two periodic checkpoints")
+    assert cluster.state(job_id) == "RUNNING"
+    subprocess.run(
+        ["scancel", "--batch", "--signal=KILL", str(job_id)], env=cluster.env(), check=True
+    )
+    cluster.wait_state(job_id, "FAILED", "CANCELLED", "COMPLETED", timeout=60)
+    cluster.wait_idle()  # requeued only once the node is done with it
+    last = max(counters(cluster.output("periodic.out")))
+    listed = protected.checkpoints("root", "periodic")
+    assert {c["reason"] for c in listed} == {"periodic"}, listed
+    latest = max(listed, key=lambda c: str(c["created"]))["id"]
+
+    cluster.requeue(job_id)
+    cluster.wait_state(job_id, "PENDING", timeout=60)
+    wait_nothing_left(job_id)
+    cluster.release(job_id)
+    text = cluster.wait_output(
+        "periodic.out", rf"restored from {latest} \(label periodic(.|\n)*(Counter: \d+\n){{3}}"
+    )
+    after = counters(text)
+    # From the latest checkpoint (>= 10 s in), not from the top; at most where it was.
+    assert 8 <= after[0] <= last + 1, (after[:3], last)
 
 
-def test_a_checkpoint_killed_at_killwait_leaves_nothing_partial(tmp_path: Path) -> None:
-    with running_cluster(kill_wait=1) as cluster:
-        protected = Protected(cluster, tmp_path / "prefix")
-        protected.install()
-        try:
-            job_id = cluster.sbatch(cluster.write_script("hog.sh", HOG))
-            cluster.wait_state(job_id, "RUNNING", timeout=60)
-            cluster.wait_output("hog.out", r"^Counter: 3$", timeout=120)
-            cluster.requeue(job_id)
-            cluster.wait_state(job_id, "PENDING", timeout=60)
-            assert "committed" not in cluster.output("hog.out")
-            assert protected.checkpoints("root", "hog") == []
+def test_the_jobs_owner_may_ask_for_a_checkpoint_and_no_one_else(
+    protected: Protected, users: tuple[User, User]
+) -> None:
+    """`cedana slurm checkpoint JOBID` by the job's owner reaches its runner; another
+    user is refused. Where the node's root lacks CAP_SYS_RESOURCE (this machine's),
+    CRIU cannot checkpoint another user's job: the job says so when it starts and the
+    owner's request fails with that reason."""
+    cluster = protected.cluster
+    owner, other = users
+    script = cluster.write_script(
+        "owned.sh", counter_script("owned.out", export="ALL,CEDANA_ENABLE=1", seconds=60), owner
+    )
+    job_id = cluster.sbatch(script, user=owner)
+    cluster.wait_state(job_id, "RUNNING", timeout=60)
+    cluster.wait_output("owned.out", r"^Counter: 1$", timeout=60)
 
-            cluster.release(job_id)
-            cluster.wait_state(job_id, "RUNNING", timeout=60)
+    def checkpoint_as(user: User) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups",
+             str(SHIM_BIN_DIR / "cedana"), "slurm", "checkpoint", str(job_id)],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
 
-            def restarted() -> str | None:
-                # The restart truncates the output (Slurm's default --open-mode).
-                text = cluster.output("hog.out")
-                fresh = "DUE TO JOB REQUEUE" not in text and "Counter: 1\n" in text
-                return text if fresh else None
-
-            text = wait_for(restarted, timeout=120, interval=0.2, what="the cold restart")
-            assert text.startswith("cedana: starting cold"), text
-            assert counters(text)[:2] == [0, 1]
-        finally:
-            cluster.cancel_all()
-            protected.uninstall()
+    refused = checkpoint_as(other)
+    assert refused.returncode == 1
+    assert f"uid {other.uid} may not control this job" in refused.stderr, refused.stderr
+    asked = checkpoint_as(owner)
+    obstacle = checkpoint_obstacle(owner.uid)
+    if obstacle is None:  # a node whose root has CAP_SYS_RESOURCE
+        assert asked.returncode == 0, asked.stderr
+        assert f"of job {job_id}.batch committed" in asked.stdout
+    else:
+        assert asked.returncode == 1
+        assert f"cannot checkpoint job {job_id}.batch: {obstacle}" in asked.stderr, asked.stderr
+        assert "Can't get rlimit" not in asked.stderr  # CRIU's log stays root's
+        assert f"cedana: warning: {obstacle}" in cluster.output("owned.out")
+    cluster.cancel(job_id)

@@ -14,8 +14,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -26,6 +29,10 @@ from pathlib import Path
 
 import pytest
 from cedana_shim.checkpoint.store import Store, StoreConfig
+from cedana_shim.cli.fork_client import answers
+from cedana_shim.cli.paths import code_fingerprint, forkserver_socket_path
+from cedana_shim.cli.slurm_task import KIND
+from cedana_shim.slurm import cgroups
 from cedana_shim.slurm.control import RUN_DIR, request, socket_path
 
 CLUSTER = "testcluster"
@@ -36,10 +43,7 @@ trap 'echo GOT-TERM; exit 99' TERM
 i=0
 while true; do echo "Counter: $i"; i=$((i+1)); sleep 0.1; done
 """
-RUNNER = (
-    "import sys; from cedana_shim.cli.wiring import NodePipelines; "
-    "from cedana_shim.slurm.runner import main; sys.exit(main(sys.argv[1:], NodePipelines))"
-)
+RUNNER = "import sys; from cedana_shim.cli.slurm_task import main; sys.exit(main())"
 
 
 @dataclass
@@ -74,6 +78,7 @@ class Node:
         uid: int = 0,
         env: dict[str, str] | None = None,
         cwd: str | None = None,
+        preexec: Callable[[], None] | None = None,
     ) -> Job:
         job_id = str(900_000_000 + int(uuid.uuid4().int % 99_999_999))
         out, err = self.tmp / f"{job_id}.out", self.tmp / f"{job_id}.err"
@@ -90,6 +95,7 @@ class Node:
                 stderr=e,
                 env=job_env,
                 cwd=str(self.tmp),
+                preexec_fn=preexec,
             )
         job = Job(job_id, proc, out, err)
         self.jobs.append(job)
@@ -163,6 +169,52 @@ def job_processes(marker: str) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+# The runner's warm template (the fork server of kind slurm) serving this checkout.
+def template_socket() -> Path:
+    """The socket of the template serving this checkout's code."""
+    return Path(forkserver_socket_path(code_fingerprint(), KIND))
+
+
+def template_pid() -> int | None:
+    """The pid of the template serving this checkout's code, if one answers."""
+    path = template_socket()
+    if not answers(str(path)):
+        return None
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(path))
+        creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid: int = struct.unpack("3i", creds)[0]
+        return pid
+    return None
+
+
+def stop_template(timeout: float = 10.0) -> None:
+    """SIGTERM the template (it ends between requests and removes its socket)."""
+    pid = template_pid()
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while template_socket().exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_template(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Jobs start from the runner's warm template (as on a node after its first
+    protected job); the cold path is tested on its own. Stopped at the end."""
+    tmp = tmp_path_factory.mktemp("template")
+    tmp.chmod(0o755)
+    config = tmp / "shim.toml"
+    config.write_text(f'store_path = "{tmp / "store"}"\n')
+    first = Node(tmp, config, tmp / "store", []).start(["/bin/true"], env={"CEDANA_ENABLE": "1"})
+    assert first.proc.wait(60) == 0, first.stderr()
+    wait_for(lambda: template_pid() is not None, what="the runner's warm template")
+    yield
+    stop_template()
 
 
 @pytest.fixture
@@ -396,3 +448,50 @@ def test_a_job_whose_keeper_died_is_killed_by_the_next_runner_on_the_node(node: 
     wait_for(lambda: not orphans(), what="the orphaned job to be killed")
     assert not os.path.exists(f"{RUN_DIR}/bundles/{job.name}")
     assert not os.path.exists(socket_path(job.name))
+
+
+@pytest.mark.parametrize("path", ["template", "cold"])
+def test_the_job_gets_what_slurm_set_on_the_task_and_its_cgroups_go_with_it(
+    node: Node, path: str
+) -> None:
+    """Umask, rlimits, OOM score and cgroup are the task process's, whichever process
+    forked the keeper; the keeper itself sits in the root cgroups (Slurm's
+    proctrack/cgroup kills what is in the step's); every cgroup directory runc made
+    for the job is gone after it."""
+    if path == "template":
+        assert template_pid() is not None
+    task_cg = f"cedana-test-{uuid.uuid4().hex[:8]}"  # the task's memory cgroup only
+    memory = Path("/sys/fs/cgroup/memory") / task_cg
+    memory.mkdir()
+
+    def as_slurm_sets_the_task() -> None:
+        os.umask(0o027)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (777, 4096))
+        Path("/proc/self/oom_score_adj").write_text("123")
+        (memory / "cgroup.procs").write_text(str(os.getpid()))
+
+    try:
+        job = node.start(
+            ["/bin/sh", "-c", 'echo "$(umask) $(ulimit -n) $(cat /proc/self/oom_score_adj)"; '
+             "cat /proc/self/cgroup; exec sleep 600"],
+            env={"CEDANA_ENABLE": "1", **({"CEDANA_FORKSERVER": "0"} if path == "cold" else {})},
+            preexec=as_slurm_sets_the_task,
+        )  # fmt: skip
+        wait_for(lambda: os.path.exists(socket_path(job.name)), what="the control socket")
+        wait_for(lambda: len(job.lines()) > 3, what="the job's output")
+        assert job.lines()[0] == "0027 777 123", job.stderr()
+        container = f"/{task_cg}/cedana-slurm-{job.name}"
+        assert f"4:memory:{container}" in job.lines(), job.lines()
+        keeper = request(socket_path(job.name), {"op": "status"})["runner_pid"]
+        for line in Path(f"/proc/{keeper}/cgroup").read_text().splitlines():
+            assert line.endswith(":/"), f"the keeper is not in a root cgroup: {line}"
+        made = [h.path(f"/{task_cg}") for h in cgroups.hierarchies() if h.key != "memory"]
+        assert made and all(os.path.isdir(d) for d in made)  # runc's mkdir -p
+
+        slurm_signal(job, signal.SIGUSR1)
+        assert job.proc.wait(30) == 128 + signal.SIGUSR1, job.stderr()
+        assert [d for d in made if os.path.exists(d)] == [], "runc's cgroup dirs stayed"
+        assert [p.name for p in memory.iterdir() if p.is_dir()] == []
+    finally:
+        with contextlib.suppress(OSError):
+            memory.rmdir()

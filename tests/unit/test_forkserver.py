@@ -143,7 +143,7 @@ def fork_a_daemon(server: Path, bundle: Path, args: list[str]) -> int:
     listener.bind(str(bundle / "shim.sock"))
     listener.listen(1)
     try:
-        return request_fork(str(server), listener.fileno(), args, str(bundle), {}, b"")
+        return request_fork(str(server), [listener.fileno()], args, str(bundle), {}, b"")
     finally:
         listener.close()
 
@@ -379,3 +379,15 @@ def test_a_new_server_removes_dead_sockets_from_the_run_dir(
         assert live_daemon.exists() and young.exists() and other_file.exists()
     finally:
         live.close()
+
+
+def test_a_servers_kind_and_fingerprint_are_in_its_socket_name() -> None:
+    """The shim's servers keep their name; a server of another kind forks what its
+    template forks (the Slurm runner's: job keepers)."""
+    shim, slurm = "/run/x/forkserver-ab12.sock", "/run/x/forkserver-slurm-ab12.sock"
+    assert (forkserver.kind_of(shim), forkserver.fingerprint_of(shim)) == ("", "ab12")
+    assert (forkserver.kind_of(slurm), forkserver.fingerprint_of(slurm)) == ("slurm", "ab12")
+    assert forkserver.fingerprint_of("/run/x/other.sock") == ""
+    assert type(forkserver.template_for("slurm")).__name__ == "KeeperTemplate"
+    with pytest.raises(ValueError, match="no fork server template of kind 'nope'"):
+        forkserver.template_for("nope")

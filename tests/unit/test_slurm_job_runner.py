@@ -10,13 +10,11 @@ import sys
 
 import pytest
 from cedana_shim.errors import InvalidArgument
+from cedana_shim.slurm import task_link
 from cedana_shim.slurm.runner import EXIT_RUNNER_FAILED, job_scope, parse_request
 
 ARGV = ["--job-id", "42", "--step-id", "batch", "--uid", "1000", "--gid", "100"]
-RUNNER = (
-    "import sys; from cedana_shim.cli.wiring import NodePipelines; "
-    "from cedana_shim.slurm.runner import main; sys.exit(main(sys.argv[1:], NodePipelines))"
-)
+RUNNER = "import sys; from cedana_shim.cli.slurm_task import main; sys.exit(main())"
 
 
 def test_parse_request_takes_the_plugins_argv_and_the_jobs_environment() -> None:
@@ -68,8 +66,12 @@ def test_scope_is_the_cluster_and_the_user_of_the_uid() -> None:
 
 
 def run_runner(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
+    # The cold path (no warm template to leave behind after a unit test).
     return subprocess.run(
-        [sys.executable, "-c", RUNNER, *argv], env=env, capture_output=True, timeout=30
+        [sys.executable, "-c", RUNNER, *argv],
+        env={**env, "CEDANA_FORKSERVER": "0"},
+        capture_output=True,
+        timeout=30,
     )
 
 
@@ -111,3 +113,35 @@ def test_the_jobs_environment_can_come_from_a_file_descriptor() -> None:
         os.fstat(r)  # read and closed
     with pytest.raises(InvalidArgument, match="cannot read the job's environment from fd"):
         parse_request([*ARGV, "--cwd", "/", "--env-fd", str(r), "--", "job.sh"], {})
+
+
+def test_the_task_process_hands_the_keeper_a_rereadable_environment() -> None:
+    """The keeper reads the job's environment from --env-fd at offset 0, and so can the
+    task process afterwards (a job that turns out unprotected): a pipe is copied into a
+    memfd; without --env-fd the runner's own environment is the job's."""
+    r, w = os.pipe()
+    os.write(w, b"A=1\0")
+    os.close(w)
+    argv, fd = task_link.with_job_env_fd([*ARGV, "--env-fd", str(r), "--", "x"], {})
+    assert argv[argv.index("--env-fd") + 1] == str(fd) and fd != r
+    assert os.pread(fd, 100, 0) == b"A=1\0" and not os.get_inheritable(fd)
+    os.close(fd)
+    given = [*ARGV, "--cwd", "/", "--", "x", "--env-fd", "9"]
+    argv, fd = task_link.with_job_env_fd(given, {"B": "2"})
+    assert argv == [*given[:-4], "--env-fd", str(fd), *given[-4:]]  # the job's are its own
+    request, _ = parse_request(argv, {})
+    assert dict(request.env) == {"B": "2"} and request.argv == ("x", "--env-fd", "9")
+    assert task_link.replace_env_fd(["--env-fd", "3", "--", "y"], 7) == [
+        *("--env-fd", "7", "--", "y")
+    ]
+
+
+def test_the_task_process_reads_the_keepers_answer() -> None:
+    task_end, keeper_end = task_link.link()
+    keeper_end.send(b"13")
+    keeper_end.send(b"7\n")
+    assert task_link.wait_for_keeper(task_end) == 137
+    keeper_end.send(task_link.RUN_UNPROTECTED + b"\n")
+    assert task_link.wait_for_keeper(task_end) is None
+    keeper_end.close()
+    assert task_link.wait_for_keeper(task_end) == EXIT_RUNNER_FAILED

@@ -5,8 +5,9 @@ critical path, so it uses the C-level ``_socket`` and ``_struct`` modules: the
 ``socket`` module alone costs ~7 ms of import (enum conversions, selectors),
 more than the rest of ``start`` together.
 
-Wire format (unix stream socket, root only): the client sends, with the
-listener fd attached (SCM_RIGHTS), one request frame — ``MAGIC``, a u32 count
+Wire format (unix stream socket, root only): the client sends, with its file
+descriptors attached (SCM_RIGHTS: the shim's ``start`` sends its listener; each
+kind of server says what it expects), one request frame — ``MAGIC``, a u32 count
 of strings, each string as u32 length + UTF-8 (surrogateescape) bytes:
 ``cwd, argc, *argv, *env as KEY=VALUE`` — then the raw ``start`` stdin until it
 shuts down its write side. The server answers ``pid <N>`` or ``error <text>``.
@@ -141,13 +142,14 @@ def read_all(conn: _socket.socket, limit: int) -> bytes:
 
 def request_fork(
     path: str,
-    listener_fd: int,
+    fds: Sequence[int],
     argv: Sequence[str],
     cwd: str,
     env: Mapping[str, str],
     stdin: bytes,
 ) -> int:
-    """Ask the fork server at ``path`` for a daemon; returns its pid."""
+    """Ask the fork server at ``path`` for a daemon (or whatever its kind forks),
+    handing it ``fds``; returns the forked process's pid."""
     conn = unix_socket()
     try:
         conn.settimeout(CONNECT_TIMEOUT)
@@ -156,7 +158,7 @@ def request_fork(
         except OSError as err:
             raise ForkServerUnavailable(str(err)) from err
         conn.settimeout(REPLY_TIMEOUT)
-        rights = [(_socket.SOL_SOCKET, SCM_RIGHTS, FD.pack(listener_fd))]
+        rights = [(_socket.SOL_SOCKET, SCM_RIGHTS, b"".join(FD.pack(fd) for fd in fds))]
         conn.sendmsg([encode_request(argv, cwd, env)], rights)
         conn.sendall(stdin)
         conn.shutdown(_socket.SHUT_WR)
@@ -183,8 +185,24 @@ SERVER_BOOTSTRAP = (
 )
 
 
-def spawn_server(path: str) -> None:
-    """Start a fork server in the background, detached from the caller."""
+def spawn_server(path: str, *, orphan: bool = False) -> None:
+    """Start a fork server in the background, detached from the caller.
+
+    ``orphan``: through an intermediate process that exits at once, so that the
+    server is not a descendant of a caller that lives on (a Slurm task process: Slurm
+    signals a step's whole process tree)."""
+    if orphan:
+        middle = os.fork()
+        if middle == 0:
+            code = 0
+            try:
+                spawn_server(path)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        os.waitpid(middle, 0)
+        return
     search = os.pathsep.join(entry for entry in sys.path if entry)
     argv = [sys.executable, "-IS", "-c", SERVER_BOOTSTRAP, path, search]
     room = TITLE_ROOM - sum(len(arg.encode()) + 1 for arg in argv)

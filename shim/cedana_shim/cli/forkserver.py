@@ -1,4 +1,4 @@
-"""A warm template process that forks shim daemons on request.
+"""A warm template process that forks shim daemons (or Slurm job keepers) on request.
 
 Starting a Python daemon cold costs ~80 ms of imports (asyncio, protobuf, the
 task service) on the critical path of every pod start; the runc shim's whole
@@ -9,6 +9,11 @@ then starts one in the background for the next container.
 
 The client side and the wire format are in :mod:`.fork_client`, which
 ``start`` imports without this module's heavier imports.
+
+Kinds. What a server forks is named in its socket: ``forkserver-<fingerprint>.sock``
+forks shim daemons; ``forkserver-<kind>-<fingerprint>.sock`` forks what the
+:class:`Template` of that kind forks (``slurm``: the keepers of Slurm jobs, see
+:mod:`.slurm_template`). The lifecycle below is the same for every kind.
 
 ``ps`` shows the server as ``containerd-shim-cedana-v2 template`` and each
 daemon it forks under containerd's usual shim command line (:mod:`.proctitle`).
@@ -56,10 +61,12 @@ from .proctitle import SHIM_NAME, daemon_title, set_name, set_title
 
 TYPE_CHECKING = False  # typing costs ~10 ms of import on the start path
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from types import FrameType
     from typing import NoReturn
 
 REQUEST_LIMIT = 16 << 20
+MAX_FDS = 8
 IDLE_DEFAULT = 3600.0
 CURRENCY_CHECK = 60.0
 SOCKET_PREFIX, SOCKET_SUFFIX = "forkserver-", ".sock"
@@ -126,6 +133,61 @@ def _report_crash(args: ShimArgs) -> None:
         os.write(fd, line.encode() + b"\n")
 
 
+class ForkRequest:
+    """One request as a template gets it: what the client sent, the descriptors it
+    attached, and who it is (SO_PEERCRED)."""
+
+    __slots__ = ("argv", "cwd", "env", "fds", "peer_pid", "stdin")
+
+    def __init__(
+        self,
+        argv: list[str],
+        cwd: str,
+        env: dict[str, str],
+        stdin: bytes,
+        fds: Sequence[int],
+        peer_pid: int,
+    ) -> None:
+        self.argv, self.cwd, self.env, self.stdin = argv, cwd, env, stdin
+        self.fds, self.peer_pid = list(fds), peer_pid
+
+
+class Template:
+    """What one kind of server forks. The server calls ``warm_up`` once, ``check`` for
+    every request (ValueError refuses it, before any fork), then ``run`` in the forked
+    child, which never returns; the server closes the request's descriptors itself."""
+
+    title: tuple[str, ...] = (SHIM_NAME, "template")
+    comm = TEMPLATE_NAME
+
+    def warm_up(self) -> None:
+        """Import everything a child needs now, so forked children start warm."""
+        from . import daemon  # noqa: F401
+
+    def check(self, request: ForkRequest) -> object:
+        if len(request.fds) != 1:
+            raise ValueError(f"expected one listener fd, got {len(request.fds)}")
+        try:
+            return parse_args(request.argv)
+        except UsageError as err:
+            raise ValueError(str(err)) from None
+
+    def run(self, request: ForkRequest, checked: object) -> NoReturn:
+        assert isinstance(checked, ShimArgs)
+        run_forked_daemon(request.fds[0], request.cwd, request.env, checked, request.stdin)
+
+
+def template_for(kind: str) -> Template:
+    """The template a server of ``kind`` forks from ("" is the shim's)."""
+    if kind == "slurm":
+        from .slurm_template import KeeperTemplate
+
+        return KeeperTemplate()
+    if kind:
+        raise ValueError(f"no fork server template of kind {kind!r}")
+    return Template()
+
+
 class _Lifecycle:
     """A stop signal ends the server between requests, never while it forks: a start
     left without its reply would fork a second daemon for the same socket."""
@@ -140,46 +202,57 @@ class _Lifecycle:
             raise SystemExit(0)
 
 
-def _serve_one(server: socket.socket, conn: socket.socket, fingerprint: str) -> bool:
+def _serve_one(
+    server: socket.socket, conn: socket.socket, fingerprint: str, template: Template
+) -> bool:
     """Answer one request; True when this server must retire."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _, uid, _ = struct.unpack("3i", creds)
+    peer_pid, uid, _ = struct.unpack("3i", creds)
     if uid != os.geteuid():
         return False
     conn.settimeout(5.0)
-    first, fds, _, _ = socket.recv_fds(conn, 65536, 4)
-    if first.startswith(CHECK_MAGIC):
-        for fd in fds:
-            os.close(fd)
-        current = is_current(fingerprint)
-        conn.sendall(b"current" if current else b"retiring")
-        return not current
+    first, fds, _, _ = socket.recv_fds(conn, 65536, MAX_FDS)
     try:
-        if len(fds) != 1:
-            raise ValueError(f"expected one listener fd, got {len(fds)}")
-        argv, cwd, env, stdin = decode_request(first + read_all(conn, REQUEST_LIMIT))
-        args = parse_args(argv)
-    except (ValueError, struct.error, UsageError) as err:
-        conn.sendall(f"error bad request: {err}".encode())
-        for fd in fds:
-            os.close(fd)
+        if first.startswith(CHECK_MAGIC):
+            current = is_current(fingerprint)
+            conn.sendall(b"current" if current else b"retiring")
+            return not current
+        try:
+            argv, cwd, env, stdin = decode_request(first + read_all(conn, REQUEST_LIMIT))
+            request = ForkRequest(argv, cwd, env, stdin, fds, peer_pid)
+            checked = template.check(request)
+        except (ValueError, struct.error) as err:
+            conn.sendall(f"error bad request: {err}".encode())
+            return False
+        pid = os.fork()
+        if pid == 0:
+            server.close()
+            conn.close()
+            template.run(request, checked)
+        conn.sendall(f"pid {pid}".encode())
         return False
-    pid = os.fork()
-    if pid == 0:
-        server.close()
-        conn.close()
-        run_forked_daemon(fds[0], cwd, env, args, stdin)
-    os.close(fds[0])
-    conn.sendall(f"pid {pid}".encode())
-    return False
+    finally:
+        for fd in fds:  # the child has its own copies
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def fingerprint_of(path: str) -> str:
     """The code fingerprint a fork server socket is named after ("" if none)."""
+    return _name_parts(path)[1]
+
+
+def kind_of(path: str) -> str:
+    """The kind of server a socket is named for ("" for the shim's own)."""
+    return _name_parts(path)[0]
+
+
+def _name_parts(path: str) -> tuple[str, str]:
     name = os.path.basename(path)
     if name.startswith(SOCKET_PREFIX) and name.endswith(SOCKET_SUFFIX):
-        return name[len(SOCKET_PREFIX) : -len(SOCKET_SUFFIX)]
-    return ""
+        kind, _, fingerprint = name[len(SOCKET_PREFIX) : -len(SOCKET_SUFFIX)].rpartition("-")
+        return kind, fingerprint
+    return "", ""
 
 
 def is_current(fingerprint: str) -> bool:
@@ -224,7 +297,11 @@ def sweep_run_dir(run_dir: str, own: str) -> None:
 
 
 def _serve_forever(
-    server: socket.socket, fingerprint: str, idle: float, lifecycle: _Lifecycle
+    server: socket.socket,
+    fingerprint: str,
+    idle: float,
+    lifecycle: _Lifecycle,
+    template: Template,
 ) -> None:
     last_request = time.monotonic()
     while True:
@@ -242,7 +319,7 @@ def _serve_forever(
         retire = False
         try:
             with conn, contextlib.suppress(OSError):  # one broken client must not stop us
-                retire = _serve_one(server, conn, fingerprint)
+                retire = _serve_one(server, conn, fingerprint, template)
         finally:
             lifecycle.busy = False
         if retire or lifecycle.stop_requested:
@@ -251,18 +328,18 @@ def _serve_forever(
 
 
 def serve(path: str) -> int:
-    # Import everything a daemon needs now, so forked children start warm.
-    from . import daemon  # noqa: F401
     from .paths import ensure_private_dir
 
+    template = template_for(kind_of(path))
+    template.warm_up()
     fingerprint = fingerprint_of(path)
     if not is_current(fingerprint):
         return 0  # the code changed since `start` named this server: serve nothing old
     ensure_private_dir(os.path.dirname(path))
     # Not the bundle of whichever container happened to start us: it gets deleted.
     os.chdir("/")
-    set_title([SHIM_NAME, "template"])
-    set_name(TEMPLATE_NAME)
+    set_title(list(template.title))
+    set_name(template.comm)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         server.bind(path)
@@ -283,7 +360,7 @@ def serve(path: str) -> int:
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)
         sweep_run_dir(os.path.dirname(path), path)
         idle = float(os.environ.get("CEDANA_FORKSERVER_IDLE", IDLE_DEFAULT))
-        _serve_forever(server, fingerprint, idle, lifecycle)
+        _serve_forever(server, fingerprint, idle, lifecycle, template)
     finally:
         server.close()
         # A forked child that never reached its own exit path must not take the

@@ -55,5 +55,7 @@ def code_fingerprint() -> str:
     return digest.hexdigest()[:24]
 
 
-def forkserver_socket_path(fingerprint: str) -> str:
-    return os.path.join(RUN_DIR, f"forkserver-{fingerprint}.sock")
+def forkserver_socket_path(fingerprint: str, kind: str = "") -> str:
+    """The fork server of ``kind`` ("" forks shim daemons; see forkserver.Template)."""
+    name = f"{kind}-{fingerprint}" if kind else fingerprint
+    return os.path.join(RUN_DIR, f"forkserver-{name}.sock")

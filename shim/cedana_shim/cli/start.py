@@ -150,7 +150,7 @@ def spawn_daemon(listener: _socket.socket, args: ShimArgs, stdin: bytes) -> int:
     if os.environ.get("CEDANA_FORKSERVER", "1") != "0":
         server = forkserver_socket_path(code_fingerprint())
         try:
-            return request_fork(server, listener.fileno(), argv, os.getcwd(), os.environ, stdin)
+            return request_fork(server, [listener.fileno()], argv, os.getcwd(), os.environ, stdin)
         except ForkServerUnavailable:
             spawn_server(server)
     return fork_daemon(listener, argv, stdin)

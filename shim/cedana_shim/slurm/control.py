@@ -1,4 +1,4 @@
-"""The control socket of one job runner: ``/run/cedana/slurm/<jobid>.<step>.sock``.
+"""The control socket of one job runner: ``/run/cedana-slurm/<jobid>.<step>.sock``.
 
 One request per connection, one JSON object per line each way::
 
@@ -8,8 +8,13 @@ One request per connection, one JSON object per line each way::
 
 Who may ask: root and the job's owner (the runner passes both as ``allowed``),
 decided on the caller's SO_PEERCRED credentials, not on anything the caller says.
-For the owner to reach it at all, the directory is 0711 (enter, not list) and the
-socket 0666: the credential check is the access control.
+This is the one cedana socket a user reaches, on purpose: a researcher asks for an
+on-demand checkpoint of their own job (``cedana slurm checkpoint JOBID`` on the
+job's node). So these sockets live in a directory of their own, ``/run/cedana-slurm``
+(root's, 0711: enter, not list), outside the root-only ``/run/cedana`` that holds
+the runner's bundles, runc's state and every other socket; each socket is 0666 and
+the credential check is the access control. Listing the jobs (``cedana slurm jobs``)
+needs root.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from typing import Any, Final
 
 from .. import errors
 
-RUN_DIR: Final = "/run/cedana/slurm"
+RUN_DIR: Final = "/run/cedana/slurm"  # the runners' state: root only
+SOCKET_DIR: Final = "/run/cedana-slurm"  # their control sockets (see above)
 SOCKET_SUFFIX: Final = ".sock"
 MAX_REQUEST: Final = 4096
 # A checkpoint may take up to checkpoint_timeout (600 s by default) and its commit.
@@ -34,7 +40,7 @@ CLIENT_TIMEOUT: Final = 900.0
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
-def socket_path(name: str, base: str = RUN_DIR) -> str:
+def socket_path(name: str, base: str = SOCKET_DIR) -> str:
     """The socket of job step ``name`` (``<jobid>.<step>``)."""
     return os.path.join(base, name + SOCKET_SUFFIX)
 
@@ -147,7 +153,7 @@ def request(path: str, message: dict[str, Any], timeout: float = CLIENT_TIMEOUT)
     return reply
 
 
-def list_sockets(base: str = RUN_DIR) -> list[str]:
+def list_sockets(base: str = SOCKET_DIR) -> list[str]:
     """Every runner's socket on this node (root only: the directory is not listable)."""
     try:
         names = os.listdir(base)
@@ -164,6 +170,7 @@ def list_sockets(base: str = RUN_DIR) -> list[str]:
 __all__ = [
     "CLIENT_TIMEOUT",
     "RUN_DIR",
+    "SOCKET_DIR",
     "ControlServer",
     "list_sockets",
     "peer_uid",

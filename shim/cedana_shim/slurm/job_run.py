@@ -28,14 +28,14 @@ from ..api.cedana.v1 import cedana_pb2 as cedana_ev
 from ..checkpoint import criu_config
 from ..checkpoint.pipeline import DumpRequest
 from ..checkpoint.policy import Policy
-from ..errors import InvalidArgument, NotFound, ShimError
+from ..errors import FailedPrecondition, InvalidArgument, NotFound, ShimError
 from ..runtime.reaper import Exit, Reaper, set_child_subreaper
 from ..runtime.runc import Runc
 from ..runtime.unmount import unmount_all
 from ..task.checkpointing import STOP_SIGNALS, Checkpointing, CheckpointManager, PipelineSource
 from ..task.process import Process, State
-from . import job_spec, leftovers
-from .control import RUN_DIR, ControlServer, socket_path
+from . import cgroups, job_spec, leftovers
+from .control import RUN_DIR, SOCKET_DIR, ControlServer, socket_path
 from .job_host import JobHost
 
 log = logging.getLogger(__name__)
@@ -61,14 +61,16 @@ _IGNORED: Final = (
 
 @dataclass(frozen=True, slots=True)
 class JobPaths:
-    """Where one job step's runner keeps its state (root's, under /run)."""
+    """Where one job step's runner keeps its state (root's, under /run) and its
+    control socket (the job's owner may reach it, control.py)."""
 
     base: str
     name: str
+    sockets: str = SOCKET_DIR
 
     @property
     def socket(self) -> str:
-        return socket_path(self.name, self.base)
+        return socket_path(self.name, self.sockets)
 
     @property
     def bundle(self) -> str:
@@ -90,6 +92,8 @@ class JobEvents:
 
     def __init__(self, err: int = 2) -> None:
         self._err = err
+        # What is known to stop every checkpoint of this job (job_spec.checkpoint_obstacle).
+        self.obstacle: str | None = None
 
     def send(self, event: Message) -> None:
         if isinstance(event, cedana_ev.RestoreOutcome):
@@ -103,7 +107,10 @@ class JobEvents:
                 f"checkpoint {event.checkpoint_id} committed ({event.reason}, label {event.label})"
             )
         elif isinstance(event, cedana_ev.CheckpointFailed):
-            self.say(f"checkpoint failed ({event.reason}): {event.error}")
+            if self.obstacle:
+                self.say(f"checkpoint failed ({event.reason}): {self.obstacle} ({event.error})")
+            else:
+                self.say(f"checkpoint failed ({event.reason}): {event.error}")
 
     def say(self, text: str) -> None:
         with contextlib.suppress(OSError):
@@ -120,19 +127,23 @@ class JobRun:
         *,
         config_path: str = "",
         base: str = RUN_DIR,
+        sockets: str = SOCKET_DIR,
     ) -> None:
         self.request = request
         self._pipelines = pipelines
         self.policy = policy
         self.front = front
         self.config_path = config_path
-        self.paths = JobPaths(base, request.name)
+        self.paths = JobPaths(base, request.name, sockets)
         self.events = JobEvents()
         self._exits: dict[int, Exit] = {}
         self._pending: list[int] = []  # signals that came while the job was starting
         self.init: Process | None = None
         self.cr: Checkpointing | None = None
         self.host: JobHost | None = None
+        self._cgroup = ""  # the container's cgroup path
+        self._created: cgroups.CreatedDirs | None = None
+        self._task_gone = False
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -149,6 +160,9 @@ class JobRun:
         front_gone = loop.create_task(self._forward_signals())
         try:
             shim_log.add_node_log(pipelines.get(self.config_path).config.log_file)
+            self.events.obstacle = job_spec.checkpoint_obstacle(self.request.uid)
+            if self.events.obstacle:
+                self.events.say(f"warning: {self.events.obstacle}")
             manager = CheckpointManager(self.events, pipelines)
             cr, restore = manager.for_container(
                 self.request.container_id, self.policy, self.config_path
@@ -169,7 +183,10 @@ class JobRun:
         status = await self._supervise(pid, cr, host, front_gone)
         cr.stop_periodic()
         await cr.wait_stop()
-        await self._kill_all()
+        if self.init is None or self.init.exit is None:
+            await self._kill_all()
+        # else the container's pid 1 is gone, and with it, by the kernel, every other
+        # process of its PID namespace: nothing to kill.
         await host.drain_output()
         # Cleaned up before the step ends: a requeued job (same id, maybe this node)
         # finds the step's names free.
@@ -200,6 +217,7 @@ class JobRun:
         ends: set[asyncio.Future[Any]] = {front_gone, init.exited}
         await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
         if not init.exited.done():  # the task process was killed (KillWait's SIGKILL)
+            self._task_gone = True
             # The step is over for Slurm: its output file may already be the requeued
             # job's (truncated); nothing of this run may land in it.
             _let_go_of_stdio()
@@ -225,12 +243,18 @@ class JobRun:
         # Without a log: the bundle that would hold it is not there yet.
         janitor = Runc(reaper=reaper, root=paths.runc_root)
         await leftovers.sweep(
-            os.path.dirname(paths.bundle), os.path.dirname(paths.rootfs), paths.base, janitor
+            os.path.dirname(paths.bundle), os.path.dirname(paths.rootfs), paths.sockets, janitor
         )
-        with contextlib.suppress(ShimError, OSError):
-            await janitor.delete(self.request.container_id, force=True)
+        if os.path.exists(os.path.join(paths.runc_root, self.request.container_id)):
+            with contextlib.suppress(ShimError, OSError):
+                await janitor.delete(self.request.container_id, force=True)
         shutil.rmtree(paths.bundle, ignore_errors=True)
-        for private in (os.path.dirname(paths.bundle), os.path.dirname(paths.rootfs)):
+        for private in (
+            os.path.dirname(paths.base),  # /run/cedana (the shim keeps it 0700 too)
+            paths.base,
+            os.path.dirname(paths.bundle),
+            os.path.dirname(paths.rootfs),
+        ):
             # The bundle's spec holds the job's environment: root's eyes only.
             os.makedirs(private, mode=0o700, exist_ok=True)
             os.chmod(private, 0o700)
@@ -238,12 +262,19 @@ class JobRun:
         leftovers.mark_keeper(paths.bundle)
         mounts = job_spec.host_mounts()
         job_spec.bind_host_root(paths.rootfs)
+        # The task process's, not this process's: a keeper from the warm template has
+        # the template's rlimits, cgroups and OOM score.
+        facts = job_spec.task_facts(self.request.task_pid)
+        self._cgroup = job_spec.container_cgroup(job_spec.job_cgroup(facts.cgroup), self.request)
+        self._created = cgroups.CreatedDirs(self._cgroup)
         spec = job_spec.build_spec(
             self.request,
             rootfs=paths.rootfs,
             mounts=mounts,
-            cgroup=job_spec.container_cgroup(job_spec.job_cgroup(), self.request),
-            rlimits=job_spec.current_rlimits(),
+            cgroup=self._cgroup,
+            rlimits=facts.rlimits,
+            proc_status=facts.status,
+            oom_score_adj=facts.oom_score_adj,
         )
         spec["annotations"] = {criu_config.ANNOTATION: criu_config.config_path(paths.bundle)}
         with open(os.path.join(paths.bundle, "config.json"), "w") as f:
@@ -307,7 +338,14 @@ class JobRun:
                 "runner_pid": os.getpid(),
             }
         if op == "checkpoint":
-            entry = await cr.checkpoint(init, host.target, DumpRequest("manual"))
+            try:
+                entry = await cr.checkpoint(init, host.target, DumpRequest("manual"))
+            except ShimError as err:
+                if not self.events.obstacle:
+                    raise
+                raise FailedPrecondition(
+                    f"cannot checkpoint job {self.request.name}: {self.events.obstacle} ({err})"
+                ) from None
             return {
                 "checkpoint": entry.id,
                 "label": entry.label,
@@ -331,6 +369,15 @@ class JobRun:
         if self.host is not None:
             with contextlib.suppress(ShimError, OSError):
                 await self.host.runc.delete(self.request.container_id, force=True)
+        if self._created is not None:
+            self._created.remove()
+        if self._task_gone and self._cgroup:
+            # slurmstepd removed the step's cgroups while ours were still in them.
+            removed = cgroups.finish_slurm_removal(
+                self._cgroup, self.request.job_id, self.request.uid
+            )
+            if removed:
+                log.info("removed the job's cgroups Slurm left", extra={"paths": removed})
         with contextlib.suppress(ShimError, OSError):
             await asyncio.to_thread(unmount_all, self.paths.rootfs)
         with contextlib.suppress(OSError):

@@ -10,10 +10,13 @@ namespaces, so that CRIU can restore the job with the same PIDs on a later run.
   then records only their paths and binds them again at restore.
 * ``/proc`` is the new PID namespace's own; network, IPC, UTS and the user
   namespace are the host's.
-* The process is the job's: uid, gid, groups, cwd, environment, rlimits and umask
-  as Slurm gave them to the task. Its init is :data:`INIT_SCRIPT` (see there).
-* Its cgroup is a child of the runner's own (the job's), named after the job step,
-  so that runc's freeze and ``kill --all`` reach the job's processes only.
+* The process is the job's: uid, gid, groups, cwd, environment, rlimits, umask and
+  OOM score as Slurm gave them to the task process (read from /proc/PID of that
+  process, :func:`task_facts`: the keeper that builds the spec may have been forked
+  by a warm template elsewhere). Its init is :data:`INIT_SCRIPT` (see there).
+* Its cgroup is a child of the task process's (the job's), named after the job step,
+  so that runc's freeze and ``kill --all`` reach the job's processes only (see
+  cgroups.py for how that sits with Slurm's own cgroups).
 """
 
 from __future__ import annotations
@@ -138,6 +141,7 @@ class JobRequest:
     argv: tuple[str, ...]
     env: Mapping[str, str]
     umask: int = 0o022
+    task_pid: int = 0  # the task process Slurm runs (0: this process)
 
     @property
     def name(self) -> str:
@@ -228,16 +232,80 @@ def container_cgroup(parent: str, request: JobRequest) -> str:
     return os.path.join(parent, f"cedana-{request.container_id}")
 
 
-def current_rlimits() -> list[dict[str, Any]]:
-    """This process's rlimits (Slurm set the task's before the runner took over)."""
+@dataclass(frozen=True, slots=True)
+class TaskFacts:
+    """What Slurm set on the task process that the job's processes keep."""
+
+    status: str  # /proc/PID/status (capabilities, umask)
+    cgroup: str  # /proc/PID/cgroup
+    rlimits: list[dict[str, Any]]
+    oom_score_adj: int | None
+    umask: int
+
+
+def task_facts(pid: int = 0) -> TaskFacts:
+    """The facts of process ``pid`` (0: this one); OSError when it is gone."""
+    proc = f"/proc/{pid or os.getpid()}"
+    with open(f"{proc}/status", encoding="utf-8") as f:
+        status = f.read()
+    with open(f"{proc}/cgroup", encoding="utf-8") as f:
+        cgroup = f.read()
+    try:
+        with open(f"{proc}/oom_score_adj", encoding="ascii") as f:
+            oom: int | None = int(f.read().strip())
+    except (OSError, ValueError):
+        oom = None
+    umask = 0o022
+    for line in status.splitlines():
+        if line.startswith("Umask:"):
+            umask = int(line.split()[1], 8)
+    return TaskFacts(status, cgroup, rlimits_of(pid), oom, umask)
+
+
+def parent_of(pid: int) -> int:
+    """The parent pid of ``pid`` (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def rlimits_of(pid: int = 0) -> list[dict[str, Any]]:
+    """The rlimits of process ``pid`` (0: this one), as Slurm set the task's."""
     out: list[dict[str, Any]] = []
     for name in _RLIMITS:
         number = getattr(resource, f"RLIMIT_{name}", None)
         if number is None:
             continue
-        soft, hard = resource.getrlimit(number)
+        soft, hard = resource.prlimit(pid, number)
         out.append({"type": f"RLIMIT_{name}", "soft": _limit(soft), "hard": _limit(hard)})
     return out
+
+
+def take_rlimits_of(*pids: int) -> list[str]:
+    """Set this process's rlimits to the highest of those of ``pids``, as far as it may
+    (raising a hard limit needs CAP_SYS_RESOURCE); the ones it could not set. The
+    keeper takes slurmstepd's and the task's: its own would otherwise be those of
+    whichever job's task process started the warm template, and runc and CRIU, its
+    children, set the job's limits (the user's) and need to be allowed to."""
+    failed = []
+    for name in _RLIMITS:
+        number = getattr(resource, f"RLIMIT_{name}", None)
+        if number is None:
+            continue
+        try:
+            limits = [resource.prlimit(pid, number) for pid in pids]
+            resource.setrlimit(number, (_highest(lim[0] for lim in limits),
+                                        _highest(lim[1] for lim in limits)))  # fmt: skip
+        except (OSError, ValueError):
+            failed.append(name)
+    return failed
+
+
+def _highest(values: Iterable[int]) -> int:
+    seen = list(values)
+    return resource.RLIM_INFINITY if resource.RLIM_INFINITY in seen else max(seen)
 
 
 def _limit(value: int) -> int:
@@ -268,6 +336,32 @@ def capabilities(uid: int, status: str | None = None) -> dict[str, list[str]]:
     }
 
 
+CAP_SYS_RESOURCE: Final = _CAPABILITIES.index("SYS_RESOURCE")
+
+
+def checkpoint_obstacle(uid: int, status: str | None = None) -> str | None:
+    """Why CRIU cannot checkpoint a job of ``uid`` run by this process (None when
+    nothing is known against it): CRIU reads every task's rlimits (prlimit), which for
+    another user's process needs CAP_SYS_RESOURCE ("Can't get rlimit 0: Operation not
+    permitted" in its log); a root whose bounding set lacks it (some containers and
+    sandboxes) can checkpoint root's jobs only."""
+    if uid == 0:
+        return None
+    if status is None:
+        with open("/proc/self/status", encoding="utf-8") as f:
+            status = f.read()
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key == "CapEff" and not int(value.strip(), 16) >> CAP_SYS_RESOURCE & 1:
+            return (
+                f"this node cannot checkpoint jobs of uid {uid}: CRIU must read the job's "
+                "rlimits, which needs CAP_SYS_RESOURCE, and the node's root lacks it "
+                "(slurmd runs without it in its capability bounding set); only root's "
+                "jobs can be checkpointed here: ask the node's administrator"
+            )
+    return None
+
+
 def _cap_names(mask: int) -> list[str]:
     return [f"CAP_{name}" for bit, name in enumerate(_CAPABILITIES) if mask >> bit & 1]
 
@@ -280,6 +374,7 @@ def build_spec(
     cgroup: str,
     rlimits: Iterable[Mapping[str, Any]],
     proc_status: str | None = None,
+    oom_score_adj: int | None = None,
 ) -> dict[str, Any]:
     if not request.argv:
         raise InvalidArgument(f"slurm job {request.name}: no command to run")
@@ -300,18 +395,21 @@ def build_spec(
     user: dict[str, Any] = {"uid": request.uid, "gid": request.gid, "umask": request.umask}
     if request.gids:
         user["additionalGids"] = list(request.gids)
+    process: dict[str, Any] = {
+        "terminal": False,
+        "user": user,
+        "args": [SHELL, "-c", INIT_SCRIPT, INIT_ARGV0, *request.argv],
+        "env": [f"{k}={v}" for k, v in request.env.items()],
+        "cwd": request.cwd,
+        "capabilities": capabilities(request.uid, proc_status),
+        "rlimits": list(rlimits),
+        "noNewPrivileges": False,
+    }
+    if oom_score_adj is not None:
+        process["oomScoreAdj"] = oom_score_adj
     return {
         "ociVersion": "1.0.2",
-        "process": {
-            "terminal": False,
-            "user": user,
-            "args": [SHELL, "-c", INIT_SCRIPT, INIT_ARGV0, *request.argv],
-            "env": [f"{k}={v}" for k, v in request.env.items()],
-            "cwd": request.cwd,
-            "capabilities": capabilities(request.uid, proc_status),
-            "rlimits": list(rlimits),
-            "noNewPrivileges": False,
-        },
+        "process": process,
         "root": {"path": rootfs, "readonly": False},
         "hostname": "",
         "mounts": spec_mounts,
@@ -337,11 +435,16 @@ __all__ = [
     "INIT_SCRIPT",
     "HostMount",
     "JobRequest",
+    "TaskFacts",
     "bind_host_root",
     "build_spec",
     "capabilities",
+    "checkpoint_obstacle",
     "container_cgroup",
-    "current_rlimits",
     "host_mounts",
     "job_cgroup",
+    "parent_of",
+    "rlimits_of",
+    "take_rlimits_of",
+    "task_facts",
 ]

@@ -66,7 +66,7 @@ def register_job_commands(subparsers: Any) -> None:
     p.set_defaults(handler=cmd_jobs)
 
 
-def cmd_checkpoint(args: argparse.Namespace, base: str = control.RUN_DIR) -> int:
+def cmd_checkpoint(args: argparse.Namespace, base: str = control.SOCKET_DIR) -> int:
     if not _JOB_ID.fullmatch(args.job_id):
         raise errors.InvalidArgument(f"job id {args.job_id!r} is not a Slurm job number")
     if not _STEP.fullmatch(args.step):
@@ -136,7 +136,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return 0
 
 
-def protected_jobs(base: str = control.RUN_DIR) -> list[dict[str, Any]]:
+def protected_jobs(base: str = control.SOCKET_DIR) -> list[dict[str, Any]]:
     """The status of each runner on this node that answers (a socket left by a runner
     that died is skipped)."""
     jobs = []
@@ -148,7 +148,7 @@ def protected_jobs(base: str = control.RUN_DIR) -> list[dict[str, Any]]:
     return jobs
 
 
-def cmd_jobs(args: argparse.Namespace, base: str = control.RUN_DIR) -> int:
+def cmd_jobs(args: argparse.Namespace, base: str = control.SOCKET_DIR) -> int:
     jobs = protected_jobs(base)
     if args.json:
         print(json.dumps(jobs, indent=2))

@@ -1,14 +1,15 @@
 """``cedana-slurm-task``: the job runner the SPANK plugin execs in an opted-in task.
 
-Contract with the plugin (it execs this as root in the task's own process, with
-the job's environment plus ``CEDANA_SLURM=1``)::
+Contract with the plugin (it execs this as root in the task's own process, with an
+environment of PATH and ``CEDANA_SLURM=1`` only)::
 
     cedana-slurm-task --job-id ID --step-id STEP --uid UID --gid GID [--gids G1,G2]
                       --cwd DIR [--config PATH] [--env-fd N] -- ARGV...
 
-``--env-fd N`` (preferred): the job's environment is read from fd N (NUL-separated
+``--env-fd N``: the job's environment is read from fd N (NUL-separated
 ``KEY=VALUE``), so that the plugin can exec this root process with a clean
 environment of its own (a user's LD_PRELOAD or PYTHONPATH must never reach it).
+Without it (run by hand) the runner's own environment is the job's.
 
 Exit status: the job's own (its exit code, or 128+signal when a signal ended it
 or when it was checkpointed and stopped for that signal); 125 when the runner
@@ -16,27 +17,34 @@ could not run the job at all (the reason is on the job's stderr); 2 for a bad
 command line.
 
 Two processes, because Slurm signals a step by its process tree
-(proctrack/linuxproc) or process group (proctrack/pgid) and the job must not get
-SIGTERM before its checkpoint is durable:
+(proctrack/linuxproc), its process group (proctrack/pgid) or its cgroup
+(proctrack/cgroup), and the job must not get SIGTERM before its checkpoint is
+durable:
 
-* the *task process* (this one: the pid Slurm waits for, with the step's stdio)
-  only forwards every signal it catches to the keeper and exits with the status
-  the keeper reports;
-* the *keeper* (double-forked, in a session of its own, so outside the step's
-  tree and process group) holds the container (the job's processes are its
-  children) and runs :class:`~.job_run.JobRun`. When the task process dies
-  (SIGKILL at the end of KillWait) the keeper abandons any checkpoint in progress
-  (nothing of it becomes visible) and kills the job.
+* the *task process* (the one the plugin execs: the pid Slurm waits for, with the
+  step's stdio) only forwards every signal it catches to the keeper and exits with
+  the status the keeper reports (task_link.py; cli/slurm_task.py starts it);
+* the *keeper* (:func:`run_keeper`) holds the container (the job's processes are its
+  children) and runs :class:`~.job_run.JobRun`. It is forked by a warm template
+  process (the fork server of kind ``slurm``, cli/forkserver.py) that already
+  imported all of this, or, when none answers, double-forked by the task process
+  itself; either way in a session of its own, outside the step's process tree, and
+  in the root cgroups, outside the step's (cgroups.py). What Slurm set on the task
+  (cgroup, rlimits, umask, OOM score, mount namespace) it reads from the task
+  process, never from its own parent. When the task process dies (SIGKILL at the
+  end of KillWait) the keeper abandons any checkpoint in progress (nothing of it
+  becomes visible), kills the job and removes what it made.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import logging
 import os
 import pwd
 import re
-import signal
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -44,23 +52,14 @@ from typing import TYPE_CHECKING, Final, NoReturn
 
 from ..checkpoint.policy import Policy, policy_for
 from ..errors import InvalidArgument, ShimError
+from . import job_spec
 from .job_spec import JobRequest
+from .task_link import EXIT_RUNNER_FAILED, RUN_UNPROTECTED
 
 if TYPE_CHECKING:
     from .job_run import PipelinesFactory
 
 SAFE_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-FORWARDED: Final = (
-    signal.SIGHUP,
-    signal.SIGINT,
-    signal.SIGQUIT,
-    signal.SIGTERM,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-    signal.SIGALRM,
-    signal.SIGCONT,
-)
-EXIT_RUNNER_FAILED: Final = 125
 _JOB_ID = re.compile(r"[0-9]{1,10}")
 _STEP_ID = re.compile(r"[A-Za-z0-9_]{1,32}")
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -127,9 +126,21 @@ def parse_request(argv: Sequence[str], env: Mapping[str, str]) -> tuple[JobReque
 
 
 def _read_env(fd: int) -> dict[str, str]:
+    """Read from offset 0 (the task process and the keeper share the descriptor's
+    offset), then closed."""
     try:
-        with os.fdopen(fd, "rb") as f:
-            data = f.read()
+        try:
+            chunks, offset = [], 0
+            while chunk := os.pread(fd, 1 << 16, offset):
+                chunks.append(chunk)
+                offset += len(chunk)
+            data = b"".join(chunks)
+        except OSError as err:
+            if err.errno != errno.ESPIPE:
+                raise
+            with os.fdopen(os.dup(fd), "rb") as f:  # a pipe: read once
+                data = f.read()
+        os.close(fd)
     except OSError as err:
         raise InvalidArgument(f"cannot read the job's environment from fd {fd}: {err}") from None
     env: dict[str, str] = {}
@@ -156,34 +167,57 @@ def job_scope(cluster: str, uid: int) -> str:
     return f"slurm-{cluster}-{user}"
 
 
-def main(argv: Sequence[str], pipelines: PipelinesFactory) -> int:
-    """The runner; ``pipelines`` builds the node's checkpoint pipelines (the console
-    script's composition root passes ``cli.wiring.NodePipelines``)."""
-    env = dict(os.environ)
-    # Slurm gave the task the user's umask: the job keeps it, root's files do not.
-    job_umask = os.umask(0o022)
-    # The job's environment is the user's: nothing in it may steer this root process
-    # or the tools it runs (runc, CRIU, hooks). It goes to the job only.
-    os.environ.clear()
+def read_request(argv: Sequence[str], task_pid: int) -> tuple[JobRequest, str, Policy]:
+    """The job step, the node config path and the job's checkpoint policy; ShimError
+    says why the job cannot be protected."""
+    request, config_path = parse_request(argv, {})
+    try:
+        facts = job_spec.task_facts(task_pid)
+    except OSError as err:
+        raise InvalidArgument(f"the job's task process {task_pid} is gone: {err}") from None
+    # The job keeps the umask Slurm gave the task process; root's files do not.
+    request = replace(request, umask=facts.umask, task_pid=task_pid)
+    scope = job_scope(request.env.get(CLUSTER_ENV, ""), request.uid)
+    spec = {"process": {"env": [f"{k}={v}" for k, v in request.env.items()]}}
+    return request, config_path, policy_for(spec, request.container_id, scope)
+
+
+def run_keeper(
+    argv: Sequence[str], link: socket.socket, task_pid: int, pipelines: PipelinesFactory
+) -> int:
+    """The keeper of one job step (see the module docstring); its stdio are the
+    step's. Reports to the task process over ``link`` and returns its own exit code."""
+    os.umask(0o022)
+    os.environ.clear()  # nothing of the caller's steers this root process or its tools
     os.environ["PATH"] = SAFE_PATH
     try:
-        request, config_path = parse_request(argv, env)
-        request = replace(request, umask=job_umask)
-        scope = job_scope(request.env.get(CLUSTER_ENV, ""), request.uid)
-        spec = {"process": {"env": [f"{k}={v}" for k, v in request.env.items()]}}
-        policy = policy_for(spec, request.container_id, scope)
+        request, config_path, policy = read_request(argv, task_pid)
     except ShimError as err:
         _say(f"cannot protect this job: {err}")
+        _report(link, EXIT_RUNNER_FAILED)
         return EXIT_RUNNER_FAILED
     if not policy.enabled:
-        exec_unprotected(request)
-    return _run_protected(request, policy, config_path, pipelines)
+        _report(link, RUN_UNPROTECTED.decode())
+        return 0
+    # Not the limits of whichever job's task started the warm template.
+    stepd = job_spec.parent_of(task_pid)
+    job_spec.take_rlimits_of(task_pid, *([stepd] if stepd > 1 else []))
+    return _keeper(request, policy, config_path, pipelines, link)
+
+
+def run_unprotected(argv: Sequence[str]) -> NoReturn:
+    """In the task process, when the keeper said the job did not opt in."""
+    try:
+        request, _ = parse_request(argv, {})
+    except ShimError as err:
+        _say(f"cannot run this job: {err}")
+        os._exit(EXIT_RUNNER_FAILED)
+    exec_unprotected(request)
 
 
 def exec_unprotected(request: JobRequest) -> NoReturn:
     """The job as Slurm would have run it: the user's identity, cwd and command."""
     try:
-        os.umask(request.umask)
         if os.getuid() == 0:  # as the plugin runs us; by hand we already are the user
             os.setgroups(list(request.gids))
             os.setgid(request.gid)
@@ -193,41 +227,6 @@ def exec_unprotected(request: JobRequest) -> NoReturn:
     except OSError as err:
         _say(f"cannot run {request.argv[0]}: {err.strerror}")
     os._exit(127)
-
-
-def _run_protected(
-    request: JobRequest, policy: Policy, config_path: str, pipelines: PipelinesFactory
-) -> int:
-    task_end, keeper_end = socket.socketpair()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - the keeper's side runs in another process
-        task_end.close()
-        os.setsid()
-        if os.fork() != 0:
-            os._exit(0)
-        os._exit(_keeper(request, policy, config_path, pipelines, keeper_end))
-    keeper_end.close()
-    os.waitpid(child, 0)
-    return _task_process(task_end)
-
-
-def _task_process(keeper: socket.socket) -> int:
-    """Forward every signal to the keeper; exit with the status it reports."""
-
-    def forward(sig: int, _frame: object) -> None:
-        with contextlib.suppress(OSError):
-            keeper.send(bytes([sig]))
-
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = keeper.recv(64)
-        if not chunk:
-            _say("the job's keeper process died without reporting the job's exit")
-            return EXIT_RUNNER_FAILED
-        data += chunk
-    return int(data)
 
 
 def _keeper(
@@ -240,21 +239,36 @@ def _keeper(
     import asyncio
 
     from .. import log as shim_log
+    from . import cgroups
     from .job_run import JobRun
-    from .namespace import private_mounts
+    from .namespace import enter_mounts_of, private_mounts
 
     try:
         shim_log.configure(None, debug=False)
+        # Out of the step's cgroups before anything else (a template did it already).
+        moved = cgroups.leave_for_root()
+        if moved:
+            logging.getLogger(__name__).warning(
+                "the keeper stays in some of the step's cgroups", extra={"error": moved}
+            )
+        # Before any thread: a mount namespace is per thread. The task's (Slurm's
+        # job_container plugins give a job one of its own), then one of ours in it.
+        enter_mounts_of(request.task_pid)
         os.chdir("/")  # the job's cwd (often a network filesystem) is not ours to hold
-        private_mounts()  # before any thread: a mount namespace is per thread
+        private_mounts()
         # JobRun reports the job's status to the task process itself.
         job = JobRun(request, policy, front, pipelines, config_path=config_path)
         return asyncio.run(job.run())
     except BaseException as err:  # the task process must hear of it, whatever it is
         _say(f"cannot run job {request.name}: {err}")
-        with contextlib.suppress(OSError):
-            front.sendall(f"{EXIT_RUNNER_FAILED}\n".encode())
+        _report(front, EXIT_RUNNER_FAILED)
         return EXIT_RUNNER_FAILED
+
+
+def _report(link: socket.socket, answer: int | str) -> None:
+    with contextlib.suppress(OSError):
+        link.setblocking(True)
+        link.sendall(f"{answer}\n".encode())
 
 
 def _say(text: str) -> None:
@@ -262,4 +276,11 @@ def _say(text: str) -> None:
         os.write(2, f"cedana: {text}\n".encode(errors="replace"))
 
 
-__all__ = ["EXIT_RUNNER_FAILED", "job_scope", "main", "parse_request"]
+__all__ = [
+    "EXIT_RUNNER_FAILED",
+    "job_scope",
+    "parse_request",
+    "read_request",
+    "run_keeper",
+    "run_unprotected",
+]

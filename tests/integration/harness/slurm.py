@@ -5,9 +5,12 @@ Partitions ``low`` (default, PriorityTier=1) and ``high`` (PriorityTier=2) with
 ``PreemptType=preempt/partition_prio`` and ``PreemptMode=REQUEUE``: an exclusive
 job on ``high`` requeues an exclusive, requeueable job on ``low``.
 ``ProctrackType=proctrack/linuxproc`` and ``TaskPlugin=task/none`` (no cgroup
-setup). Its plugstack.conf mirrors Debian's (``include .../plugstack.conf.d/*.conf``)
-so the installer's drop-in path is what the tests exercise; ``plugstack_inline``
-gives one without the include.
+setup) by default; ``proctrack="cgroup"`` gives the most common site setup instead,
+proctrack/cgroup and task/cgroup (cgroup/v1 here: Slurm's freezer, memory, cpuset
+and devices cgroups per job, step and task; devices not constrained). Its
+plugstack.conf mirrors Debian's (``include .../plugstack.conf.d/*.conf``) so the
+installer's drop-in path is what the tests exercise; ``plugstack_inline`` gives one
+without the include.
 """
 
 from __future__ import annotations
@@ -19,11 +22,16 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from cedana_shim.cli.fork_client import answers
+from cedana_shim.cli.paths import code_fingerprint, forkserver_socket_path
+from cedana_shim.cli.slurm_task import KIND
 
 from .config import SHIM_BIN_DIR
 from .util import wait_for
@@ -71,9 +79,15 @@ def _free_ports(count: int) -> list[int]:
 
 class SlurmCluster:
     def __init__(
-        self, workdir: Path, *, plugstack_include: bool = True, kill_wait: int = KILL_WAIT
+        self,
+        workdir: Path,
+        *,
+        plugstack_include: bool = True,
+        kill_wait: int = KILL_WAIT,
+        proctrack: str = "linuxproc",
     ) -> None:
         self.kill_wait = kill_wait
+        self.proctrack = proctrack
         self.dir = workdir
         self.etc = workdir / "etc"
         self.conf = self.etc / "slurm.conf"
@@ -124,6 +138,13 @@ class SlurmCluster:
     def _write_conf(self) -> None:
         ctld_port, slurmd_port = _free_ports(2)
         log = self.dir / "log"
+        task_plugin = "task/cgroup" if self.proctrack == "cgroup" else "task/none"
+        memory_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+        if self.proctrack == "cgroup":
+            (self.etc / "cgroup.conf").write_text(
+                "CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n"
+                "ConstrainCores=yes\nConstrainRAMSpace=yes\nConstrainDevices=no\n"
+            )
         self.conf.write_text(
             f"""\
 ClusterName={CLUSTER_NAME}
@@ -142,8 +163,8 @@ SlurmctldLogFile={log / "slurmctld.log"}
 SlurmdLogFile={log / "slurmd.log"}
 SlurmdDebug=debug
 PlugStackConfig={self.plugstack}
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+ProctrackType=proctrack/{self.proctrack}
+TaskPlugin={task_plugin}
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
@@ -156,7 +177,7 @@ AccountingStorageType=accounting_storage/none
 MailProg=/bin/true
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-NodeName={self.node} CPUs={os.cpu_count()} State=UNKNOWN
+NodeName={self.node} CPUs={os.cpu_count()} RealMemory={memory_mb // 2} State=UNKNOWN
 PartitionName=low Nodes={self.node} Default=YES PriorityTier=1 MaxTime=INFINITE State=UP
 PartitionName=high Nodes={self.node} PriorityTier=2 MaxTime=INFINITE State=UP
 """
@@ -188,6 +209,12 @@ PartitionName=high Nodes={self.node} PriorityTier=2 MaxTime=INFINITE State=UP
                 notes.append(f"{proc.args!r} killed")
         self._procs.clear()
         notes += self._kill_stepds()
+        stop_runner_template()
+        if self.proctrack == "cgroup":
+            # Slurm's own top cgroup (slurm_<node>), which Slurm never removes.
+            for top in Path("/sys/fs/cgroup").glob(f"*/slurm_{self.node}"):
+                with contextlib.suppress(OSError):
+                    top.rmdir()
         if self._munged_pid.exists():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(self._munged_pid.read_text()), signal.SIGTERM)
@@ -299,6 +326,10 @@ PartitionName=high Nodes={self.node} PriorityTier=2 MaxTime=INFINITE State=UP
             what=f"{pattern!r} in {name}",
         )
 
+    def wait_idle(self, timeout: float = 60) -> None:
+        """The node has finished with every job (no job COMPLETING on it)."""
+        wait_for(self._node_idle, timeout=timeout, interval=0.3, what=f"node {self.node} idle")
+
     def _node_idle(self) -> bool:
         out = self.scontrol("show", "node", self.node, "-o", check=False)
         return "State=IDLE" in out
@@ -339,9 +370,32 @@ def require_slurm() -> None:
         )
 
 
+def runner_template() -> int | None:
+    """The pid of the job runner's warm template serving this checkout (the fork
+    server of kind slurm that the first protected job started), if one answers."""
+    path = forkserver_socket_path(code_fingerprint(), KIND)
+    if not answers(path):
+        return None
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid: int = struct.unpack("3i", creds)[0]
+        return pid
+    return None
+
+
+def stop_runner_template() -> None:
+    """It would idle for an hour after the suite (the runner passes it no environment
+    to shorten that): SIGTERM; it removes its socket."""
+    pid = runner_template()
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def running_cluster(
-    *, plugstack_include: bool = True, kill_wait: int = KILL_WAIT
+    *, plugstack_include: bool = True, kill_wait: int = KILL_WAIT, proctrack: str = "linuxproc"
 ) -> Iterator[SlurmCluster]:
     """A started cluster in a fresh directory, stopped and removed afterwards."""
     require_slurm()
@@ -350,6 +404,7 @@ def running_cluster(
         Path(tempfile.mkdtemp(prefix="cedana-slurm-", dir=parent)),
         plugstack_include=plugstack_include,
         kill_wait=kill_wait,
+        proctrack=proctrack,
     )
     try:
         cluster.start()
