@@ -492,6 +492,22 @@ def wall(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def start_cpu_load(jobs: int, cleanup: Cleanup) -> list[int]:
+    """``jobs`` busy loops at normal priority for the rest of the run (a second job on
+    the node); stopped by ``cleanup``. Their pids."""
+    pids = []
+    for _ in range(jobs):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "while True: pass"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        cleanup.push(f"cpu load {proc.pid}", lambda p=proc: (p.kill(), p.wait()))
+        pids.append(proc.pid)
+    return pids
+
+
 def base_parser(description: str, default_runs: int) -> Any:
     import argparse
 
@@ -505,5 +521,12 @@ def base_parser(description: str, default_runs: int) -> Any:
     )
     parser.add_argument(
         "--keep", action="store_true", help="keep the work dir (logs, configs) afterwards"
+    )
+    parser.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N busy loops beside the benchmark for its whole run (default 0)",
     )
     return parser

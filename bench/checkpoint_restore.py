@@ -2,9 +2,9 @@
 shim's checkpoint-on-stop / restore-on-start vs plain runc checkpoint/restore to a
 local directory, interleaved, on the same disk.
 
-    python bench/checkpoint_restore.py [--runs 3] [--warmup 1] [--mem-mib 1024]
+    python bench/checkpoint_restore.py [--runs 5] [--warmup 1] [--mem-mib 1024]
                                        [--containerd 1.6|1.7|2.1] [--drop-caches]
-                                       [--out results.json]
+                                       [--load N] [--out results.json]
 
 The workload is bench/memhog.c, compiled here with `gcc -static -O2` and packed with
 umoci into a one-file image (the same image feeds containerd and, unpacked, the runc
@@ -39,6 +39,10 @@ everything it wrote), cedana's first in even runs and runc's first in odd runs, 
             container of the label, started as soon as the stop's checkpoint is listed
             in the store, is RUNNING (restored from it, checked as in (b)).
     runc:   `runc checkpoint` + `runc restore` of the same container, back to back.
+CRIU's own statistics (stats-dump / stats-restore in its work dir: freezing, frozen,
+memory dump and memory write times, pages written) are reported for both sides, so a
+difference shows per phase; the shim logs them with each checkpoint. `--load N` runs
+N busy loops beside the whole benchmark (a second job on the node).
 (c) bytes: stored bytes of the checkpoint (manifest + config + layer blobs, read from
     the store's index.json and manifest, and cross-checked with `cedana checkpoints
     list --json`) vs raw CRIU image bytes (apparent size of runc's images dir).
@@ -73,6 +77,7 @@ from _common import (
     ratio,
     remove_cgroup_tree,
     require_root,
+    start_cpu_load,
     summarize,
     verdict,
 )
@@ -276,10 +281,12 @@ def store_checkpoint(store: Path, label: str) -> dict[str, Any] | None:
     desc = found[-1]
     algo, hexdigest = desc["digest"].split(":", 1)
     manifest = json.loads((store / "blobs" / algo / hexdigest).read_bytes())
-    layers = {
-        (layer.get("annotations") or {}).get("org.opencontainers.image.title", "?"): layer["size"]
-        for layer in manifest.get("layers", [])
-    }
+    # A compacted criu layer's page images are chunks: descriptors of their own in
+    # `layers`, without a title.
+    layers: dict[str, int] = {}
+    for layer in manifest.get("layers", []):
+        title = (layer.get("annotations") or {}).get("org.opencontainers.image.title", "chunks")
+        layers[title] = layers.get(title, 0) + int(layer["size"])
     total = desc["size"] + manifest["config"]["size"] + sum(layers.values())
     # Published checkpoints are raw (file lists of fsynced images) until compacted into
     # zstd blobs in the background.
@@ -346,6 +353,15 @@ def shim_records(b: Bench, offset: int, cid: str) -> list[dict[str, Any]]:
         if cid in (rec.get("container"), rec.get("container_id")):
             records.append(rec)
     return records
+
+
+def shim_criu_dump(b: Bench, offset: int, cid: str) -> dict[str, Any]:
+    """CRIU's statistics of the shim's dump of `cid`, from its "checkpoint committed"
+    line (runtime/criu_stats.py)."""
+    for rec in shim_records(b, offset, cid):
+        if rec.get("msg") == "checkpoint committed" and isinstance(rec.get("criu"), dict):
+            return dict(rec["criu"])
+    return {}
 
 
 def shim_breakdown(b: Bench, offset: int, cid: str, t0_wall: float) -> dict[str, float | None]:
@@ -488,6 +504,7 @@ class CedanaSide:
             "exit_status": exit_status,
             "task_after": status.status if status else None,
             "store": entry,
+            "criu": shim_criu_dump(self.b, offset, cid),
             **shim_breakdown(self.b, offset, cid, t0_wall),
         }
 
@@ -662,6 +679,10 @@ def one_run(
             ) from None
 
     def runc_cycle() -> None:
+        # Imported here: the module is loaded before ensure_venv() re-executes under the
+        # venv's Python, which has cedana_shim.
+        from cedana_shim.runtime.criu_stats import dump_stats, restore_stats
+
         bundle = rc.bundle(rid)
         images = rc.workdir / f"images-{rid}"
         cold_s, pid = rc.start(rid, bundle)
@@ -670,14 +691,18 @@ def one_run(
         out["runc_rss_before_mib"] = round(rss_bytes(pid) / MIB, 1)
         settle()
         before = read_beat(pid)
+        dump_work = rc.workdir / f"dump-work-{rid}"
         out["runc_checkpoint"] = {
-            "seconds": rc.checkpoint(rid, images, rc.workdir / f"dump-work-{rid}"),
+            "seconds": rc.checkpoint(rid, images, dump_work),
             "images_bytes": du_bytes(images),
+            "criu": dump_stats(str(dump_work)),
         }
         settle(RESTORE_GAP)
-        restore_s = rc.restore(rid, bundle, images, rc.workdir / f"restore-work-{rid}")
+        restore_work = rc.workdir / f"restore-work-{rid}"
+        restore_s = rc.restore(rid, bundle, images, restore_work)
         out["runc_restore"] = {
             "seconds": restore_s,
+            "criu": restore_stats(str(restore_work)),
             **check_resumed(rc.pid(rid), before, mib, f"runc container {rid}"),
         }
         before = read_beat(rc.pid(rid))
@@ -700,7 +725,7 @@ def one_run(
 
 
 def main() -> int:
-    parser = base_parser(__doc__ or "", default_runs=3)
+    parser = base_parser(__doc__ or "", default_runs=5)
     parser.add_argument("--mem-mib", type=int, default=1024, help="memory the workload fills")
     parser.add_argument(
         "--warmup", type=int, default=1, help="discarded full runs first (default 1)"
@@ -725,6 +750,7 @@ def main() -> int:
             "warmup_runs": args.warmup,
             "mem_mib": args.mem_mib,
             "drop_caches": args.drop_caches,
+            "load_jobs": args.load,
             "containerd": args.containerd,
             "workload": "static C program: N MiB, each page half xorshift random, half a "
             "repeated 64-byte pattern; heartbeat every 100 ms",
@@ -738,6 +764,8 @@ def main() -> int:
     try:
         with private_containerd(args.containerd, cleanup, (NAMESPACE,), keep=args.keep) as b:
             report.params["containerd_full"] = b.version.full
+            if args.load:
+                report.params["load_pids"] = start_cpu_load(args.load, cleanup)
             report.params["containerd_log"] = str(b.containerd.log_path)
             work = b.root / "runc"
             work.mkdir()
@@ -814,6 +842,14 @@ def main() -> int:
     def shim(side: str, key: str) -> Summary:
         return summarize([float(v) for r in runs if (v := r[side].get(key)) is not None])
 
+    def criu(side: str, key: str) -> Summary:
+        return summarize(
+            [float(v) for r in runs if (v := (r[side].get("criu") or {}).get(key)) is not None]
+        )
+
+    criu_keys = ("freezing_s", "frozen_s", "memdump_s", "memwrite_s", "pages_written")
+    criu_dump = {key: (criu("cedana_stop", key), criu("runc_checkpoint", key)) for key in criu_keys}
+
     # Inside the shim, from its own log: the runc/CRIU part of each operation, and for
     # the restore how long Create took (checkpoint verified, CRIU images unpacked).
     shim_dump = shim("cedana_stop", "shim_runc_checkpoint_s")
@@ -842,6 +878,9 @@ def main() -> int:
     def cell(s: Any, unit: str = "s", digits: int = 2) -> str:
         return f"{s.median:.{digits}f}{unit} ({s.min:.{digits}f}-{s.max:.{digits}f})"
 
+    def criu_cell(key: str, s: Summary) -> str:
+        return cell(s, "", 0) if key.startswith("pages") else cell(s, "s", 3)
+
     print_table(
         ["measure", "cedana", "runc", "cedana/runc", "target"],
         [
@@ -859,6 +898,17 @@ def main() -> int:
                 f"{ratio(shim_dump.median, ckpt_r.median):.2f}",
                 "(shim log: its runc call)",
             ],
+            *(
+                [
+                    f"    CRIU {key.removesuffix('_s').replace('_', ' ')}",
+                    criu_cell(key, c),
+                    criu_cell(key, r),
+                    f"{ratio(c.median, r.median):.2f}" if r.median else "",
+                    "(stats-dump)",
+                ]
+                for key, (c, r) in criu_dump.items()
+                if c.n and r.n
+            ),
             [
                 "    until committed",
                 cell(commit_c),
@@ -929,6 +979,11 @@ def main() -> int:
             "cedana_committed_at_exit_runs": at_exit,
             "cedana_until_compacted": compact_c.as_dict(),
             "cedana_shim_runc_checkpoint": shim_dump.as_dict(),
+            "criu_stats_dump": {
+                key: {"cedana": c.as_dict(), "runc": r.as_dict()}
+                for key, (c, r) in criu_dump.items()
+                if c.n and r.n
+            },
         },
         "restore": {
             "cedana": rest_c.as_dict(),

@@ -58,6 +58,7 @@ SOURCES: dict[str, str] = {
     "local/bootstrap.proto": "containerd/bootstrap.proto",
     "local/runtime_info.proto": "containerd/types/introspection.proto",
     "local/cedana.proto": "cedana/v1/cedana.proto",
+    "local/criu_stats.proto": "criu/stats.proto",
 }
 # import spellings used upstream that are not the canonical SOURCES keys
 ALIASES = {"google/rpc/status.proto": "local/google_rpc_status.proto"}

@@ -79,10 +79,15 @@ def _setns(fd: int, nstype: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
+def preload_network_facts() -> None:
+    """Import what :func:`network_facts` needs, so that its first call is cheap."""
+    import pyroute2  # type: ignore[import-untyped]  # noqa: F401
+
+
 def _read_facts() -> NetworkFacts:
     from socket import AF_INET
 
-    from pyroute2 import IPRoute  # type: ignore[import-untyped]
+    from pyroute2 import IPRoute
 
     with IPRoute() as ip:
         names = {link["index"]: link.get_attr("IFLA_IFNAME") for link in ip.get_links()}

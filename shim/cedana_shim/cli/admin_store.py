@@ -248,6 +248,13 @@ def cmd_list(args: argparse.Namespace) -> int:
 # -- inspect ---------------------------------------------------------------------------------
 
 
+def _criu_stats_text(stats: Mapping[str, Any]) -> str:
+    """CRIU's dump statistics (runtime.criu_stats), seconds first, then page counts."""
+    times = [f"{k.removesuffix('_s')} {_text(v)} s" for k, v in stats.items() if k.endswith("_s")]
+    pages = [f"{k.replace('_', ' ')} {_text(v)}" for k, v in stats.items() if k.startswith("pages")]
+    return ", ".join(times + pages)
+
+
 def _text(value: Any) -> str:
     if value is None or value == "":
         return "-"
@@ -364,7 +371,12 @@ def inspect_text(
         fields.append(("Terminal", "yes" if meta.get("terminal") else "no"))
     timings = meta.get("timings")
     if isinstance(timings, Mapping) and timings:
-        fields.append(("Timings", ", ".join(f"{k} {_text(v)}" for k, v in timings.items())))
+        plain = {k: v for k, v in timings.items() if k != "criu"}
+        if plain:
+            fields.append(("Timings", ", ".join(f"{k} {_text(v)}" for k, v in plain.items())))
+        criu = timings.get("criu")
+        if isinstance(criu, Mapping) and criu:
+            fields.append(("CRIU dump", _criu_stats_text(criu)))
     diff = meta.get("rootfs_diff")
     if isinstance(diff, Mapping):
         fields.append(

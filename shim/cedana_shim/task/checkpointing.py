@@ -291,6 +291,7 @@ class Checkpointing:
     _periodic: asyncio.Task[None] | None = None
     _after_commit: asyncio.Task[None] | None = None  # compaction, then the push
     _hurry: asyncio.Event = field(default_factory=asyncio.Event)  # SIGKILL after durable
+    _warm_up: asyncio.Task[None] | None = None
     _pod_uid: str = ""  # from the spec's CRI annotations, when the CRI made the container
 
     @property
@@ -490,6 +491,17 @@ class Checkpointing:
         if self._stop is not None:
             await asyncio.wait([self._stop])
 
+    # -- once the container runs --------------------------------------------------
+
+    def started(self, init: Process, target: TargetFn) -> None:
+        """The container runs: its periodic checkpoints begin, and what every dump of
+        it needs but that does not change is gathered now, off the stop's path."""
+        self.start_periodic(init, target)
+        if self._warm_up is None:
+            self._warm_up = asyncio.get_running_loop().create_task(
+                self.pipeline.warm_up(target().runc)
+            )
+
     # -- periodic ---------------------------------------------------------------
 
     def start_periodic(self, init: Process, target: TargetFn) -> None:
@@ -511,6 +523,8 @@ class Checkpointing:
         if self._periodic is not None:
             self._periodic.cancel()
             self._periodic = None
+        if self._warm_up is not None:
+            self._warm_up.cancel()
 
     # -- the steps every checkpoint shares -----------------------------------------
 
@@ -565,6 +579,7 @@ class Checkpointing:
                 "size": entry.size,
                 "seconds": total,
                 "phases": phases,
+                "criu": dump.criu,
             },
         )
         await asyncio.to_thread(

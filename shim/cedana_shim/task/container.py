@@ -199,7 +199,7 @@ class Container:
             else:
                 await self._start_restoring()
             if self.cr is not None:
-                self.cr.start_periodic(self.init, self.target)
+                self.cr.started(self.init, self.target)
             return self.init.pid
 
     async def _start_restoring(self) -> None:
