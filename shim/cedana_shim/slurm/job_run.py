@@ -206,7 +206,7 @@ class JobRun:
         init = self.init = Process(self.request.container_id, "", State.RUNNING, pid)
         if pid in self._exits:
             init.set_exited(self._exits[pid].status, self._exits[pid].timestamp)
-        cr.start_periodic(init, host.target)
+        cr.started(init, host.target)
         control = ControlServer(self.paths.socket, frozenset({0, self.request.uid}), self._control)
         try:
             await control.start()
