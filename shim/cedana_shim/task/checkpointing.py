@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from google.protobuf.message import Message
 
@@ -43,6 +43,9 @@ from ..config import NodeConfig
 from ..errors import Aborted, DeadlineExceeded, FailedPrecondition, NotFound, ShimError
 from .events import EventSender
 from .process import LIVE, Process, State
+
+if TYPE_CHECKING:
+    from ..checkpoint.remote import OnCompacted
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +155,16 @@ class CheckpointManager:
     # -- compaction, in the background ---------------------------------------------
 
     def compact_later(self, pipeline: Pipeline, checkpoint_id: str) -> asyncio.Task[None]:
-        """Compaction (niced), then the push to the registry when the node has one."""
+        """Compaction (niced); with a registry, the push compacts it on the way (each
+        chunk sent as soon as it is compressed). A checkpoint the push did not compact
+        (the registry refused it, the record is another's) is compacted after."""
 
         async def run() -> None:
-            await self._compact(pipeline, checkpoint_id)
             if pipeline.config.registry:
-                await self._push(pipeline, [checkpoint_id])
+                await self._push(pipeline, [checkpoint_id], compacting=True)
+                if not await asyncio.to_thread(_still_raw, pipeline, checkpoint_id):
+                    return
+            await self._compact(pipeline, checkpoint_id)
 
         task = asyncio.get_running_loop().create_task(run())
         self._compactions.add(task)
@@ -184,6 +191,20 @@ class CheckpointManager:
         self._sweeps.add(task)
         task.add_done_callback(self._sweeps.discard)
 
+    def _compacted_by_push(self, pipeline: Pipeline) -> OnCompacted:
+        """What a push that compacted a checkpoint on the way logs and records, as
+        ``_compact`` does (called in the push's thread)."""
+
+        def done(entry: Entry, seconds: float) -> None:
+            _log_compacted(entry, seconds)
+            record = op_records.background_record(
+                pipeline.store, oplog.COMPACTION, "done", entry.id, seconds,
+                {"compress": seconds}, entry=entry,
+            )  # fmt: skip
+            oplog.write(pipeline.store.root, record)
+
+        return done
+
     async def _compact(self, pipeline: Pipeline, checkpoint_id: str) -> None:
         clock = oplog.PhaseClock()
         entry: Entry | None = None
@@ -204,26 +225,21 @@ class CheckpointManager:
                 return  # nothing to do (compacted already, or gone)
         total, phases = clock.finish()
         if entry is not None:
-            log.info(
-                "checkpoint compacted",
-                extra={
-                    "checkpoint": checkpoint_id,
-                    "size": entry.size,
-                    "label": entry.label,
-                    "seconds": total,
-                },
-            )
+            _log_compacted(entry, total)
         await self._record_background(
             pipeline, oplog.COMPACTION, outcome, [(checkpoint_id, error)], total, phases, entry
         )
 
-    async def _push(self, pipeline: Pipeline, ids: list[str] | None) -> None:
+    async def _push(
+        self, pipeline: Pipeline, ids: list[str] | None, *, compacting: bool = False
+    ) -> None:
         """Push pending checkpoints (``ids``, or all the outbox holds) to the registry; a
         failure leaves them pending for the next daemon or the node agent."""
         clock = oplog.PhaseClock()
+        compacted = self._compacted_by_push(pipeline) if compacting else None
         try:
             with clock.phase("push"):
-                result = await asyncio.to_thread(pipeline.push_pending, ids)
+                result = await asyncio.to_thread(pipeline.push_pending, ids, compacted)
         except (ShimError, OSError) as err:
             log.warning(
                 "cannot push checkpoints to the registry; they stay pending",
@@ -652,6 +668,28 @@ class Checkpointing:
                 error=what,
             )
         )
+
+
+def _log_compacted(entry: Entry, seconds: float) -> None:
+    log.info(
+        "checkpoint compacted",
+        extra={
+            "checkpoint": entry.id,
+            "size": entry.size,
+            "label": entry.label,
+            "seconds": seconds,
+        },
+    )
+
+
+def _still_raw(pipeline: Pipeline, checkpoint_id: str) -> bool:
+    """Whether a checkpoint is still to compact (an unreadable store: let it say why)."""
+    try:
+        return pipeline.store.get(checkpoint_id).state == "raw"
+    except NotFound:
+        return False  # removed meanwhile
+    except (ShimError, OSError):
+        return True
 
 
 @contextlib.contextmanager

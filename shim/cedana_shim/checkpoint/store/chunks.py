@@ -110,9 +110,17 @@ class ChunkWriter:
     """
 
     def __init__(
-        self, work_fd: int, blobs_fd: int, *, level: int, chunk_size: int, workers: int
+        self,
+        work_fd: int,
+        blobs_fd: int,
+        *,
+        level: int,
+        chunk_size: int,
+        workers: int,
+        on_chunk: Callable[[str, int], None] | None = None,
     ) -> None:
         self._work_fd = work_fd
+        self._on_chunk = on_chunk
         self._blobs_fd = blobs_fd
         self._level = level
         self._chunk_size = chunk_size
@@ -196,6 +204,8 @@ class ChunkWriter:
                 buffers.put(buf)
             digest = fsutil.sha256_bytes(data)
             self._keep(digest, data)
+            if self._on_chunk is not None:
+                self._on_chunk(digest, len(data))  # must not raise: see Compactor.compact
             return Chunk(file, offset, n, digest, len(data))
         except BaseException:
             self._failed = True  # the reading thread stops early
