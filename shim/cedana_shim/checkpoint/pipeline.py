@@ -177,15 +177,20 @@ class Pipeline:
         return ""
 
     def push_pending(
-        self, ids: list[str] | None, on_compacted: OnCompacted | None = None
+        self,
+        ids: list[str] | None,
+        on_compacted: OnCompacted | None = None,
+        *,
+        urgent: bool = False,
     ) -> SyncResult:
         """Push ``ids`` (or every pending push) to the registry (compacting a raw one on
-        the way, each chunk sent as it is compressed; ``on_compacted`` is told), then
-        keep the newest ``retain`` checkpoints of each label pushed there too. Blocking."""
+        the way, each chunk sent as it is compressed; ``on_compacted`` is told; niced
+        unless ``urgent``: a stop's exit waits), then keep the newest ``retain``
+        checkpoints of each label pushed there too. Blocking."""
         from .remote import sync
 
         remote = self.remote()
-        result = sync(remote, self.outbox(), only=ids, on_compacted=on_compacted)
+        result = sync(remote, self.outbox(), only=ids, on_compacted=on_compacted, niced=not urgent)
         labels = set()
         for checkpoint_id in result.pushed:
             with contextlib.suppress(ShimError, OSError):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import time
@@ -154,14 +155,17 @@ class CheckpointManager:
 
     # -- compaction, in the background ---------------------------------------------
 
-    def compact_later(self, pipeline: Pipeline, checkpoint_id: str) -> asyncio.Task[None]:
+    def compact_later(
+        self, pipeline: Pipeline, checkpoint_id: str, *, urgent: bool = False
+    ) -> asyncio.Task[None]:
         """Compaction (niced); with a registry, the push compacts it on the way (each
-        chunk sent as soon as it is compressed). A checkpoint the push did not compact
-        (the registry refused it, the record is another's) is compacted after."""
+        chunk sent as soon as it is compressed; not niced when ``urgent``: a stop's exit
+        waits for that push). A checkpoint the push did not compact (the registry
+        refused it, the record is another's) is compacted after."""
 
         async def run() -> None:
             if pipeline.config.registry:
-                await self._push(pipeline, [checkpoint_id], compacting=True)
+                await self._push(pipeline, [checkpoint_id], compacting=True, urgent=urgent)
                 if not await asyncio.to_thread(_still_raw, pipeline, checkpoint_id):
                     return
             await self._compact(pipeline, checkpoint_id)
@@ -231,7 +235,12 @@ class CheckpointManager:
         )
 
     async def _push(
-        self, pipeline: Pipeline, ids: list[str] | None, *, compacting: bool = False
+        self,
+        pipeline: Pipeline,
+        ids: list[str] | None,
+        *,
+        compacting: bool = False,
+        urgent: bool = False,
     ) -> None:
         """Push pending checkpoints (``ids``, or all the outbox holds) to the registry; a
         failure leaves them pending for the next daemon or the node agent."""
@@ -239,7 +248,9 @@ class CheckpointManager:
         compacted = self._compacted_by_push(pipeline) if compacting else None
         try:
             with clock.phase("push"):
-                result = await asyncio.to_thread(pipeline.push_pending, ids, compacted)
+                result = await asyncio.to_thread(
+                    functools.partial(pipeline.push_pending, ids, compacted, urgent=urgent)
+                )
         except (ShimError, OSError) as err:
             log.warning(
                 "cannot push checkpoints to the registry; they stay pending",
@@ -603,7 +614,9 @@ class Checkpointing:
         )
         if self.config.registry:
             await self._record_push(entry)
-        self._after_commit = self.manager.compact_later(self.pipeline, entry.id)
+        # A stop that reports its exit after the push waits for this compaction too.
+        urgent = reason == "stop" and self.config.registry_sync == "before-exit"
+        self._after_commit = self.manager.compact_later(self.pipeline, entry.id, urgent=urgent)
         return entry
 
     async def _record_push(self, entry: Entry) -> None:

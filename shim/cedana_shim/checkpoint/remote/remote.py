@@ -92,10 +92,13 @@ class RemoteStore:
         checkpoint_id: str,
         progress: Progress | None = None,
         on_compacted: OnCompacted | None = None,
+        *,
+        niced: bool = True,
     ) -> RemoteCheckpoint:
         """Push a checkpoint of the local store, compacting it first if it is raw: each
         chunk is sent as soon as it is compressed (sender.py); ``on_compacted(entry,
-        seconds)`` is told when the compaction is done.
+        seconds)`` is told when the compaction is done; ``niced`` False compacts at
+        this thread's priority (a stop's exit waits for the push).
 
         Idempotent: a checkpoint whose tag exists is not sent again; one whose push
         was interrupted sends only what the registry lacks.
@@ -123,7 +126,7 @@ class RemoteStore:
                 lambda: self._put_marker(repo, tag.tag + PENDING_SUFFIX, entry, origin, started)
             )
             if entry.state == "raw":
-                entry = self._compact(entry.id, sender, on_compacted)
+                entry = self._compact(entry.id, sender, on_compacted, niced)
             local = self.store.checkpoint_manifest(entry)
             manifest = checkpoint_manifest(local, entry.metadata, entry.scope, origin)
             blobs = manifest_blobs(parse_manifest(local, f"{what}: manifest"))
@@ -155,10 +158,14 @@ class RemoteStore:
         )
 
     def _compact(
-        self, checkpoint_id: str, sender: BlobSender, on_compacted: OnCompacted | None
+        self,
+        checkpoint_id: str,
+        sender: BlobSender,
+        on_compacted: OnCompacted | None,
+        niced: bool,
     ) -> Entry:
         began = time.monotonic()
-        compacted = self.store.compact(checkpoint_id, on_blob=sender.offer)
+        compacted = self.store.compact(checkpoint_id, on_blob=sender.offer, niced=niced)
         if compacted is None:
             raise errors.NotFound(
                 f"checkpoint {checkpoint_id} was removed from {self.store.root} "

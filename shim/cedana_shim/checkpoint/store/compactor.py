@@ -67,8 +67,9 @@ OpenBlob: TypeAlias = Callable[[int], IO[bytes]]  # offset -> a stream positione
 OnBlob: TypeAlias = Callable[[str, int, OpenBlob], None]  # (digest, size, open_at)
 
 
-def run_niced(fn: Callable[[], T]) -> T:
-    """``fn()`` in a thread of its own at nice >= NICE: compaction competes with workloads.
+def run_niced(fn: Callable[[], T], nice: int = NICE) -> T:
+    """``fn()`` in a thread of its own at nice >= ``nice``: compaction competes with
+    workloads.
 
     A thread of its own, so the priority dies with it (a pool thread would keep
     it); zstd's workers, created from it, inherit it.
@@ -80,7 +81,7 @@ def run_niced(fn: Callable[[], T]) -> T:
         tid = threading.get_native_id()
         with contextlib.suppress(OSError):
             current = os.getpriority(os.PRIO_PROCESS, tid)
-            os.setpriority(os.PRIO_PROCESS, tid, max(current, NICE))
+            os.setpriority(os.PRIO_PROCESS, tid, max(current, nice))
         try:
             result.append(fn())
         except BaseException as err:  # re-raised in the caller's thread
@@ -128,7 +129,9 @@ def _config_layer(c: _Compressed) -> dict[str, Any]:
 
 
 class Compactor(Catalog):
-    def compact(self, checkpoint_id: str, on_blob: OnBlob | None = None) -> Entry | None:
+    def compact(
+        self, checkpoint_id: str, on_blob: OnBlob | None = None, *, niced: bool = True
+    ) -> Entry | None:
         """Compact a raw checkpoint (see the module doc); blocking, idempotent.
 
         Returns the compacted entry (at once if it already was), or None if the
@@ -137,11 +140,12 @@ class Compactor(Catalog):
         ``on_blob(digest, size, open_at)`` is called (from a compression thread;
         it must neither raise nor block) for each chunk blob once it is written;
         ``open_at(offset)`` opens it, where it is then, positioned at ``offset``.
+        ``niced`` False: at the caller's priority (a stop's exit waits for it).
         """
         if (why := check_checkpoint_id(checkpoint_id)) is not None:
             raise errors.InvalidArgument(why)
         try:
-            return run_niced(lambda: self._compact(checkpoint_id, on_blob))
+            return run_niced(lambda: self._compact(checkpoint_id, on_blob), NICE if niced else 0)
         except OSError as err:
             raise self._os_error(err, f"compacting checkpoint {checkpoint_id}") from err
 

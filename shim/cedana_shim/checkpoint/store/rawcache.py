@@ -17,8 +17,12 @@ is dropped, and the restore unpacks the blobs as before.
 
 Nothing here is visible: the staging dir is the adoption's, and the store's adopt
 moves the cache into ``raw/<id>/`` in the same hold of ``index.lock`` as the index
-write that adds the checkpoint (adopt.py). The files are not fsynced: a cache whose
-bytes a crash lost fails its CRC-32 check at the restore, which then uses the blobs.
+write that adds the checkpoint (adopt.py). The page images are made durable while
+the pull goes on (a thread of its own fdatasyncs a file whenever chunks were written
+into it), and ``finish`` waits for the last: the cache is as durable as a published
+checkpoint when it becomes visible. That also keeps the restore fast: CRIU reading
+1 GiB of page images still dirty in the page cache took 2-4 s here against 0.7-1 s
+once they were written back (bench/README.md).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import tarfile
 import threading
 import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Final, cast
 
 import zstandard
@@ -193,6 +198,9 @@ class CacheBuilder:
         self._claimed: set[str] = set()
         self._crcs: dict[tuple[str, int], int] = {}
         self._fds: dict[str, int] = {}
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="cedana-cache-sync")
+        self._sync_queued: set[str] = set()  # files with an fdatasync queued, not started
+        self._synced: list[Future[None]] = []
         os.mkdir(self.dir_name, 0o700, dir_fd=staging_fd)
         self._dir_fd = os.open(self.dir_name, _DIR_FLAGS, dir_fd=staging_fd)
         try:
@@ -253,6 +261,7 @@ class CacheBuilder:
         if missing:
             raise errors.Internal(f"{self._where}: {len(missing)} chunk blob(s) not written")
         entries = self._ordered(self._unpack_tar(tar_stream))
+        self._sync_all()
         # Whether the dumping node kept its own raw images is in the list too.
         for kept in (True, False):
             data = dump_file_list(
@@ -268,6 +277,7 @@ class CacheBuilder:
         return None
 
     def close(self) -> None:
+        self._syncer.shutdown(wait=True, cancel_futures=True)  # before its fds go
         for fd in self._fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -283,6 +293,25 @@ class CacheBuilder:
     def _filled(self, chunk: Chunk, crc: int) -> None:
         with self._lock:
             self._crcs[(chunk.file, chunk.offset)] = crc
+            if chunk.file in self._sync_queued:
+                return  # the queued fdatasync will cover this chunk too
+            self._sync_queued.add(chunk.file)
+            self._synced.append(self._syncer.submit(self._sync, chunk.file))
+
+    def _sync(self, path: str) -> None:
+        with self._lock:
+            self._sync_queued.discard(path)  # chunks written from now on queue another
+        os.fdatasync(self._fds[path])
+
+    def _sync_all(self) -> None:
+        """Every page image and the tar's files on disk; re-raises a failed fdatasync."""
+        with self._lock:
+            pending = list(self._synced)
+        for future in pending:
+            future.result()
+        for fd in self._fds.values():
+            os.fdatasync(fd)  # what the last queued one started before (cheap)
+        self._sync_tree(self._dir_fd)
 
     def _crcs_snapshot(self) -> dict[tuple[str, int], int]:
         with self._lock:
@@ -349,6 +378,7 @@ class CacheBuilder:
                     write_all(fd, data)
                     crc = zlib.crc32(data, crc)
                     size += len(data)
+                os.fdatasync(fd)  # small files (the page images are synced apart)
             finally:
                 os.close(fd)
             return RawFile(rel, "file", mode, mtime, size, crc)
@@ -357,6 +387,19 @@ class CacheBuilder:
         finally:
             if parent_fd != self._dir_fd:
                 os.close(parent_fd)
+
+    def _sync_tree(self, dir_fd: int) -> None:
+        """fsync the cache's directories, deepest first (their entries are durable)."""
+        for name in sorted(os.listdir(dir_fd)):
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            except NotADirectoryError:
+                continue
+            try:
+                self._sync_tree(child)
+            finally:
+                os.close(child)
+        os.fsync(dir_fd)
 
     def _open_parent(self, parent: str) -> int:
         """The directory ``parent`` (made by an earlier member: tar order) under the cache."""
