@@ -93,13 +93,18 @@ def _fsync_and_close(fd: int) -> None:
         os.close(fd)
 
 
-def _read_exactly(fd: int, size: int) -> bytes:
-    data = bytearray(size)
-    view = memoryview(data)
-    got = 0
-    while got < size and (n := os.preadv(fd, [view[got:]], got)):
-        got += n
-    return bytes(view[:got])
+def _same_bytes(fd: int, data: bytes) -> bool:
+    """Whether the file holds ``data`` (read a piece at a time: a chunk is MiBs, and a
+    second checkpoint compares most of its chunks with the store's)."""
+    buf = bytearray(CHUNK)
+    view, want = memoryview(buf), memoryview(data)
+    offset = 0
+    while offset < len(data):
+        n = os.preadv(fd, [view[: min(CHUNK, len(data) - offset)]], offset)
+        if n == 0 or view[:n] != want[offset : offset + n]:
+            return False
+        offset += n
+    return os.preadv(fd, [view[:1]], offset) == 0
 
 
 class ChunkWriter:
@@ -254,7 +259,7 @@ class ChunkWriter:
             same = False  # not a regular file: never the store's
         else:
             try:
-                same = os.fstat(fd).st_size == len(data) and _read_exactly(fd, len(data)) == data
+                same = os.fstat(fd).st_size == len(data) and _same_bytes(fd, data)
             finally:
                 os.close(fd)
         if not same:
