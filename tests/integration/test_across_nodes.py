@@ -25,6 +25,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -188,6 +189,28 @@ def test_a_checkpoint_taken_on_one_node_resumes_on_another(
         pulled = log_b.wait("pulled checkpoint from the registry", checkpoint=checkpoint)
         assert pulled["container"] == second.cid
         assert [e.id for e in entries(n.b.store, label=label)] == [checkpoint]
+
+
+def test_a_checkpoint_is_not_restored_into_another_image_on_another_node(
+    make_node: MakeNode, node_env: dict[str, str], new_id: NewId
+) -> None:
+    """On B the image's tag has moved (it names another image there): the checkpoint A
+    took from that tag is skipped before anything is pulled, the two digests (asked of
+    each node's containerd) in the reason, and the container starts cold."""
+    label = unique_label("image")
+    script = counter_script()
+    with two_nodes(make_node, node_env, new_id, label, script) as n:
+        checkpoint = _stop(n.on_a, n.on_a.start("a"), n.events_a)
+        images = n.b.images
+        n.on_b.ctr("images", "tag", "--force", images.pause, images.busybox)
+        log_b = ShimLog(n.b)
+        outcome = started_cold(n.events_b, n.on_b.start("b"))
+        detail = outcome.field("detail")
+        assert checkpoint in detail and "this container's image is" in detail, detail
+        digests = re.findall(r"sha256:[0-9a-f]{64}", detail)
+        assert len(set(digests)) == 2, detail
+        assert not entries(n.b.store)  # refused before the pull
+        assert not log_b.find("pulled checkpoint from the registry")
 
 
 def test_a_push_the_registry_missed_is_made_later(

@@ -53,7 +53,9 @@ log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 LEFTOVERS_DELAY = 5.0  # seconds after a daemon first uses a store
 PUSH_POLL = 0.2  # seconds between looks at a push another process is making
+IMAGE_LOOKUP_GRACE = 1.0  # seconds a stop waits for its image digest after the dump
 TargetFn = Callable[[], Target]
+ImageDigest = Callable[[str], str]  # container id -> its image's digest (blocking)
 
 
 class PipelineSource(Protocol):
@@ -63,9 +65,17 @@ class PipelineSource(Protocol):
 
 
 class CheckpointManager:
-    def __init__(self, events: EventSender, pipelines: PipelineSource) -> None:
+    def __init__(
+        self,
+        events: EventSender,
+        pipelines: PipelineSource,
+        image_digest: ImageDigest | None = None,
+    ) -> None:
         self.events = events
         self.pipelines = pipelines
+        # A container's image digest from containerd (blocking): asked only with a
+        # registry, where checkpoints move between nodes (runtime/containerd_images.py).
+        self.image_digest = image_digest
         self._writing: Counter[tuple[str, str]] = Counter()  # (scope, label) -> dumps
         self._compactions: set[asyncio.Task[Any]] = set()
         self._swept: set[str] = set()  # stores whose leftovers this daemon compacts
@@ -95,11 +105,16 @@ class CheckpointManager:
                 report=lambda report: self.report_restore(report, pipeline, policy),
                 writing_here=self.writing,
                 remote=pipeline.remote if config.registry else None,
+                image_digest=self._digest_of(container_id) if config.registry else None,
             )
         return cr, restore
 
     def publish(self, event: Message) -> None:
         self.events.send(event)
+
+    def _digest_of(self, container_id: str) -> Callable[[], str] | None:
+        lookup = self.image_digest
+        return None if lookup is None else functools.partial(lookup, container_id)
 
     # -- labels being written (a restore of the label waits for them) -----------------
 
@@ -544,6 +559,7 @@ class Checkpointing:
     async def _dump(self, target: Target, request: DumpRequest) -> Dump:
         clock = oplog.PhaseClock()
         self._pod_uid = op_records.pod_uid(target.spec)
+        image = self._image_digest_lookup()
         self._dumping = asyncio.get_running_loop().create_task(self.pipeline.dump(target, request))
         try:
             try:
@@ -551,6 +567,8 @@ class Checkpointing:
                     dump = await self._dumping
                     # The operation began before the store staged the dump.
                     dump.clock.started = clock.started
+                    if image is not None and (digest := await self._settled_digest(image)):
+                        dump.ingest.set_metadata(imageDigest=digest)
                     return dump
             except TimeoutError:
                 raise DeadlineExceeded(
@@ -568,10 +586,39 @@ class Checkpointing:
                     "container was killed while it was being dumped"
                 ) from None
         except BaseException as err:
+            if image is not None:
+                image.cancel()
             self._failed(request.reason, err, clock)
             raise
         finally:
             self._dumping = None
+
+    def _image_digest_lookup(self) -> asyncio.Task[str] | None:
+        """With a registry, the image's digest is recorded in the checkpoint (the node
+        that restores it compares its own): asked of containerd while CRIU dumps."""
+        lookup = self.manager.image_digest
+        if not self.config.registry or lookup is None or self.policy.image_digest:
+            return None
+        return asyncio.get_running_loop().create_task(asyncio.to_thread(lookup, self.container_id))
+
+    async def _settled_digest(self, lookup: asyncio.Task[str]) -> str:
+        """The digest looked up, or "" (logged): a slow containerd never holds up the stop
+        by more than IMAGE_LOOKUP_GRACE after the dump."""
+        try:
+            async with asyncio.timeout(IMAGE_LOOKUP_GRACE):
+                return await asyncio.shield(lookup)
+        except TimeoutError:
+            lookup.cancel()
+            err: BaseException = DeadlineExceeded(
+                f"containerd did not answer within {IMAGE_LOOKUP_GRACE:g}s"
+            )
+        except (ShimError, OSError) as failure:
+            err = failure
+        log.warning(
+            "cannot tell the container's image digest; the checkpoint records its name only",
+            extra={"container": self.container_id, "error": str(err)},
+        )
+        return ""
 
     async def _publish(self, dump: Dump, reason: str) -> Entry:
         try:
