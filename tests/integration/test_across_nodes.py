@@ -205,7 +205,7 @@ def test_a_checkpoint_is_not_restored_into_another_image_on_another_node(
         n.on_b.ctr("images", "tag", "--force", images.pause, images.busybox)
         log_b = ShimLog(n.b)
         outcome = started_cold(n.events_b, n.on_b.start("b"))
-        detail = outcome.field("detail")
+        detail = str(outcome.field("detail"))
         assert checkpoint in detail and "this container's image is" in detail, detail
         digests = re.findall(r"sha256:[0-9a-f]{64}", detail)
         assert len(set(digests)) == 2, detail
