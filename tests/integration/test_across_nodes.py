@@ -213,6 +213,26 @@ def test_a_checkpoint_is_not_restored_into_another_image_on_another_node(
         assert not log_b.find("pulled checkpoint from the registry")
 
 
+def test_a_chunk_corrupted_in_the_registry_leaves_nothing_on_the_pulling_node(
+    make_node: MakeNode, node_env: dict[str, str], registry: Registry, new_id: NewId
+) -> None:
+    """A page-image chunk damaged in the registry is found while it streams into B's
+    page images: the pull fails, nothing of it is left in B's store (no checkpoint, no
+    raw images, no staging), and the container falls back (cold: there is no other)."""
+    label = unique_label("rot")
+    with two_nodes(make_node, node_env, new_id, label, counter_script(mem_kib=MEM_KIB)) as n:
+        checkpoint = _stop(n.on_a, n.on_a.start("a"), n.events_a)
+        (entry,) = entries(n.a.store, label=label)
+        chunk = max(entry.layer("criu").chunks, key=lambda c: c.size)
+        registry.corrupt_blob(chunk.digest, offset=chunk.size // 2)
+        outcome = started_cold(n.events_b, n.on_b.start("b"))
+        detail = str(outcome.field("detail"))
+        assert checkpoint in detail and "cannot pull it" in detail, detail
+        assert not entries(n.b.store)
+        assert not (n.b.store / "raw").exists() or not os.listdir(n.b.store / "raw")
+        assert [p for p in os.listdir(n.b.store / "ingest") if p.startswith("adopt-")] == []
+
+
 def test_a_push_the_registry_missed_is_made_later(
     make_node: MakeNode, node_env: dict[str, str], registry: Registry, new_id: NewId
 ) -> None:
