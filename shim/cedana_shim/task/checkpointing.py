@@ -93,6 +93,7 @@ class CheckpointManager:
             interval = parse_duration(config.checkpoint_interval, "node config checkpoint_interval")
             policy = replace(policy, interval=interval)
         cr = Checkpointing(container_id, policy, pipeline, self)
+        cr.look_up_image_later()
         restore = None
         if policy.restores:  # by label (auto), or by hand (CEDANA_RESTORE)
             restore = RestoreSession(
@@ -334,6 +335,7 @@ class Checkpointing:
     _after_commit: asyncio.Task[None] | None = None  # compaction, then the push
     _hurry: asyncio.Event = field(default_factory=asyncio.Event)  # SIGKILL after durable
     _pod_uid: str = ""  # from the spec's CRI annotations, when the CRI made the container
+    _image: asyncio.Task[str] | None = None  # the image digest's lookup (with a registry)
 
     @property
     def config(self) -> NodeConfig:
@@ -593,13 +595,38 @@ class Checkpointing:
         finally:
             self._dumping = None
 
+    def look_up_image_later(self) -> None:
+        """With a registry, the image's digest is recorded in each checkpoint (the node
+        that restores it compares its own). It is asked of containerd in the background,
+        LEFTOVERS_DELAY after the Create (off it, and off the stop: the lookup imports
+        grpc), and again while CRIU dumps if it was not known by then."""
+        lookup = self.manager.image_digest
+        if not self.config.registry or lookup is None or self.policy.image_digest:
+            return
+
+        async def later() -> str:
+            await asyncio.sleep(LEFTOVERS_DELAY)
+            return await asyncio.to_thread(lookup, self.container_id)
+
+        self._image = asyncio.get_running_loop().create_task(later())
+        self._image.add_done_callback(_retrieved)
+
     def _image_digest_lookup(self) -> asyncio.Task[str] | None:
-        """With a registry, the image's digest is recorded in the checkpoint (the node
-        that restores it compares its own): asked of containerd while CRIU dumps."""
+        """The lookup of the image's digest to record in the dump: the one made in the
+        background when it succeeded, else one started now (see look_up_image_later)."""
         lookup = self.manager.image_digest
         if not self.config.registry or lookup is None or self.policy.image_digest:
             return None
-        return asyncio.get_running_loop().create_task(asyncio.to_thread(lookup, self.container_id))
+        known = self._image
+        if known is not None and known.done() and not known.cancelled() and not known.exception():
+            return known
+        if known is not None:
+            known.cancel()
+        self._image = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(lookup, self.container_id)
+        )
+        self._image.add_done_callback(_retrieved)
+        return self._image
 
     async def _settled_digest(self, lookup: asyncio.Task[str]) -> str:
         """The digest looked up, or "" (logged): a slow containerd never holds up the stop
@@ -728,6 +755,12 @@ class Checkpointing:
                 error=what,
             )
         )
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """A background lookup's failure is reported by whoever uses it, or by nobody."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _log_compacted(entry: Entry, seconds: float) -> None:
