@@ -48,6 +48,9 @@ SOURCES: dict[str, str] = {
     f"{CTRD}/api/runtime/task/v2/shim.proto": "containerd/task/v2/shim.proto",
     f"{CTRD}/api/events/task.proto": "containerd/events/task.proto",
     f"{CTRD}/api/services/ttrpc/events/v1/events.proto": "containerd/services/ttrpc_events.proto",
+    f"{CTRD}/api/types/descriptor.proto": "containerd/types/descriptor.proto",
+    f"{CTRD}/api/services/containers/v1/containers.proto": "containerd/services/containers.proto",
+    f"{CTRD}/api/services/images/v1/images.proto": "containerd/services/images.proto",
     f"{CTRD}/runtime/v2/runc/options/oci.proto": "containerd/runc/options.proto",
     f"{CTRD}/pkg/runtimeoptions/v1/api.proto": "containerd/runtimeoptions.proto",
     "github.com/containerd/cgroups/stats/v1/metrics.proto": "cgroups/v1/metrics.proto",
@@ -62,7 +65,13 @@ SOURCES: dict[str, str] = {
 }
 # import spellings used upstream that are not the canonical SOURCES keys
 ALIASES = {"google/rpc/status.proto": "local/google_rpc_status.proto"}
-GRPC_SERVICES = {"cri/v1/api.proto"}  # gRPC stubs only where we call gRPC (tests)
+# gRPC stubs only where we call gRPC: the CRI (tests, `cedana node`), containerd's
+# containers and images (the image a remote checkpoint is checked against).
+GRPC_SERVICES = {
+    "cri/v1/api.proto",
+    "containerd/services/containers.proto",
+    "containerd/services/images.proto",
+}
 STAGE_PREFIX = "cedana_shim/api/"
 
 GOGO_IMPORT = re.compile(

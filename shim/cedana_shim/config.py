@@ -26,7 +26,7 @@ MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: anything longer is a typo, not a timeou
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
     store_path: str = "/var/lib/cedana/checkpoints"
-    compression_level: int = 3  # zstd; 1 is fastest, 19 smallest
+    compression_level: int = 1  # zstd; 1 is fastest, 19 smallest (bench/README.md)
     compression_threads: int = 0  # 0: one per core
     retain: int = 3  # checkpoints kept per (namespace, label)
     # Also keep the newest checkpoint's raw CRIU images per label: restores skip the

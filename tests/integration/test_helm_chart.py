@@ -134,7 +134,7 @@ def test_default_render(helm: list[str]) -> None:
     args = container["args"]
     assert "--host-root=/host" in args
     assert "--set=store_path=/var/lib/cedana/checkpoints" in args
-    assert "--set=compression_level=3" in args
+    assert "--set=compression_level=1" in args
     assert not any(a.startswith("--kubelet") for a in args)
     assert "--default-runtime" in args and not any(a.startswith("--runc-binary") for a in args)
     assert not any("checkpoint_interval" in a for a in args)

@@ -107,6 +107,9 @@ def test_push_then_pull_into_an_empty_store_gives_the_same_checkpoint(
     pulled = remote_b.pull(found)
     assert pulled.id == entry.id and pulled.created == entry.created and pulled.state == "compacted"
     other.verify(pulled, deep=True)
+    # The page images came out as they arrived: a restore runs CRIU from them at once.
+    assert other.raw_images(pulled, "criu") == os.path.join(other.root, "raw", entry.id, "criu")
+    other.verify_raw(pulled, "criu")
     a = _extract(store, entry.id, tmp_path / "a")
     b = _extract(other, entry.id, tmp_path / "b")
     match, mismatch, errors = filecmp.cmpfiles(a, b, sorted(_files(b"")), shallow=False)
@@ -259,6 +262,8 @@ def test_a_corrupt_blob_in_the_registry_fails_the_pull_and_leaves_nothing(
         remote_store(other, settings).pull(pushed)
     assert other.list() == [] and staging_dirs(other) == []
     assert not os.listdir(os.path.join(other.root, "blobs", "sha256"))
+    # The page images streamed out before the bad chunk was found: none of them stay.
+    assert not os.path.exists(os.path.join(other.root, "raw", entry.id))
 
 
 def _rewrite_manifest(remote: RemoteStore, pushed: RemoteCheckpoint, edit: object) -> None:

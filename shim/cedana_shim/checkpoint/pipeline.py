@@ -57,7 +57,7 @@ from .rootfs_diff import capture, capture_dir, upperdir_of
 from .store import Entry, Ingest, Store
 
 if TYPE_CHECKING:
-    from .remote import Outbox, RemoteStore, SyncResult
+    from .remote import OnCompacted, Outbox, RemoteStore, SyncResult
 
 log = logging.getLogger(__name__)
 
@@ -180,13 +180,21 @@ class Pipeline:
             return f"namespace {scope!r} cannot be pushed to {self.config.registry}: {err}"
         return ""
 
-    def push_pending(self, ids: list[str] | None) -> SyncResult:
-        """Push ``ids`` (or every pending push) to the registry, then keep the newest
-        ``retain`` checkpoints of each label pushed there too. Blocking."""
+    def push_pending(
+        self,
+        ids: list[str] | None,
+        on_compacted: OnCompacted | None = None,
+        *,
+        urgent: bool = False,
+    ) -> SyncResult:
+        """Push ``ids`` (or every pending push) to the registry (compacting a raw one on
+        the way, each chunk sent as it is compressed; ``on_compacted`` is told; niced
+        unless ``urgent``: a stop's exit waits), then keep the newest ``retain``
+        checkpoints of each label pushed there too. Blocking."""
         from .remote import sync
 
         remote = self.remote()
-        result = sync(remote, self.outbox(), only=ids)
+        result = sync(remote, self.outbox(), only=ids, on_compacted=on_compacted, niced=not urgent)
         labels = set()
         for checkpoint_id in result.pushed:
             with contextlib.suppress(ShimError, OSError):

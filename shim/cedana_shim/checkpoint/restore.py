@@ -223,6 +223,7 @@ class RestoreSession:
         report: Callable[[RestoreReport], None],
         writing_here: Callable[[str, str], bool] = lambda scope, label: False,
         remote: Callable[[], RemoteStore] | None = None,
+        image_digest: Callable[[], str] | None = None,
     ) -> None:
         self.store = store
         self.hooks = hooks
@@ -235,6 +236,10 @@ class RestoreSession:
             container_id, policy.scope, policy.label, requested=policy.restore
         )
         self._remote = remote  # the node's registry, when it has one
+        # This container's image digest, asked of containerd (blocking) only when a
+        # checkpoint from another node is considered; policy.image_digest when pinned.
+        self._image_digest = image_digest
+        self._digest: str | None = policy.image_digest or None
         self._remaining: list[Entry | RemoteCheckpoint] = []
         self._raw_refused: set[str] = set()  # ids whose raw images failed their check
         self._refusal: type[ShimError] | None = None  # a restore by hand's error class
@@ -476,7 +481,7 @@ class RestoreSession:
                 remote = self._remote()
                 metadata = await asyncio.to_thread(remote.fetch_metadata, candidate)
                 why = incompatible(metadata, here) or image_mismatch(
-                    metadata, self.policy.image, self.policy.image_digest
+                    metadata, self.policy.image, await self._container_image_digest()
                 )
                 if why:
                     self._refuse(FailedPrecondition, what, why)
@@ -497,6 +502,22 @@ class RestoreSession:
             },
         )
         return entry
+
+    async def _container_image_digest(self) -> str:
+        """The digest of this container's image; "" when containerd cannot say (logged
+        once: the check falls back to the image names)."""
+        if self._digest is None:
+            self._digest = ""
+            if self._image_digest is not None:
+                try:
+                    self._digest = await asyncio.to_thread(self._image_digest)
+                except (ShimError, OSError) as err:
+                    log.warning(
+                        "cannot tell this container's image digest; remote checkpoints are "
+                        "checked by image name only",
+                        extra={"container": self.container_id, "error": str(err)},
+                    )
+        return self._digest
 
     def _unpack(self, entry: Entry, host: RestoreHost, network: Any) -> Plan:
         """Verify ``entry`` and lay it out for CRIU and the new rootfs. Blocking."""

@@ -15,6 +15,7 @@ import socket
 
 from .. import log as shim_log
 from ..errors import ShimError
+from ..runtime.containerd_images import ContainerdImages
 from ..runtime.reaper import Reaper, set_child_subreaper
 from ..task.checkpointing import CheckpointManager
 from ..task.events import Publisher
@@ -95,7 +96,8 @@ async def _serve(args: ShimArgs, start_stdin: bytes) -> int:
     publisher.start()
     stop = asyncio.Event()
     # The composition root: everything the service uses is built here, once.
-    checkpoints = CheckpointManager(publisher, pipelines)
+    images = ContainerdImages(args.address, args.namespace)
+    checkpoints = CheckpointManager(publisher, pipelines, images.target_digest)
     async with OomWatcher(lambda container_id: service.publish_oom(container_id)) as oom:
         service = TaskService(
             args.namespace,

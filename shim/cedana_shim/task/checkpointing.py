@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from google.protobuf.message import Message
 
@@ -44,12 +45,17 @@ from ..errors import Aborted, DeadlineExceeded, FailedPrecondition, NotFound, Sh
 from .events import EventSender
 from .process import LIVE, Process, State
 
+if TYPE_CHECKING:
+    from ..checkpoint.remote import OnCompacted
+
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 LEFTOVERS_DELAY = 5.0  # seconds after a daemon first uses a store
 PUSH_POLL = 0.2  # seconds between looks at a push another process is making
+IMAGE_LOOKUP_GRACE = 1.0  # seconds a stop waits for its image digest after the dump
 TargetFn = Callable[[], Target]
+ImageDigest = Callable[[str], str]  # container id -> its image's digest (blocking)
 
 
 class PipelineSource(Protocol):
@@ -59,9 +65,17 @@ class PipelineSource(Protocol):
 
 
 class CheckpointManager:
-    def __init__(self, events: EventSender, pipelines: PipelineSource) -> None:
+    def __init__(
+        self,
+        events: EventSender,
+        pipelines: PipelineSource,
+        image_digest: ImageDigest | None = None,
+    ) -> None:
         self.events = events
         self.pipelines = pipelines
+        # A container's image digest from containerd (blocking): asked only with a
+        # registry, where checkpoints move between nodes (runtime/containerd_images.py).
+        self.image_digest = image_digest
         self._writing: Counter[tuple[str, str]] = Counter()  # (scope, label) -> dumps
         self._compactions: set[asyncio.Task[Any]] = set()
         self._swept: set[str] = set()  # stores whose leftovers this daemon compacts
@@ -79,6 +93,7 @@ class CheckpointManager:
             interval = parse_duration(config.checkpoint_interval, "node config checkpoint_interval")
             policy = replace(policy, interval=interval)
         cr = Checkpointing(container_id, policy, pipeline, self)
+        cr.look_up_image_later()
         restore = None
         if policy.restores:  # by label (auto), or by hand (CEDANA_RESTORE)
             restore = RestoreSession(
@@ -91,11 +106,16 @@ class CheckpointManager:
                 report=lambda report: self.report_restore(report, pipeline, policy),
                 writing_here=self.writing,
                 remote=pipeline.remote if config.registry else None,
+                image_digest=self._digest_of(container_id) if config.registry else None,
             )
         return cr, restore
 
     def publish(self, event: Message) -> None:
         self.events.send(event)
+
+    def _digest_of(self, container_id: str) -> Callable[[], str] | None:
+        lookup = self.image_digest
+        return None if lookup is None else functools.partial(lookup, container_id)
 
     # -- labels being written (a restore of the label waits for them) -----------------
 
@@ -151,13 +171,20 @@ class CheckpointManager:
 
     # -- compaction, in the background ---------------------------------------------
 
-    def compact_later(self, pipeline: Pipeline, checkpoint_id: str) -> asyncio.Task[None]:
-        """Compaction (niced), then the push to the registry when the node has one."""
+    def compact_later(
+        self, pipeline: Pipeline, checkpoint_id: str, *, urgent: bool = False
+    ) -> asyncio.Task[None]:
+        """Compaction (niced); with a registry, the push compacts it on the way (each
+        chunk sent as soon as it is compressed; not niced when ``urgent``: a stop's exit
+        waits for that push). A checkpoint the push did not compact (the registry
+        refused it, the record is another's) is compacted after."""
 
         async def run() -> None:
-            await self._compact(pipeline, checkpoint_id)
             if pipeline.config.registry:
-                await self._push(pipeline, [checkpoint_id])
+                await self._push(pipeline, [checkpoint_id], compacting=True, urgent=urgent)
+                if not await asyncio.to_thread(_still_raw, pipeline, checkpoint_id):
+                    return
+            await self._compact(pipeline, checkpoint_id)
 
         task = asyncio.get_running_loop().create_task(run())
         self._compactions.add(task)
@@ -184,6 +211,20 @@ class CheckpointManager:
         self._sweeps.add(task)
         task.add_done_callback(self._sweeps.discard)
 
+    def _compacted_by_push(self, pipeline: Pipeline) -> OnCompacted:
+        """What a push that compacted a checkpoint on the way logs and records, as
+        ``_compact`` does (called in the push's thread)."""
+
+        def done(entry: Entry, seconds: float) -> None:
+            _log_compacted(entry, seconds)
+            record = op_records.background_record(
+                pipeline.store, oplog.COMPACTION, "done", entry.id, seconds,
+                {"compress": seconds}, entry=entry,
+            )  # fmt: skip
+            oplog.write(pipeline.store.root, record)
+
+        return done
+
     async def _compact(self, pipeline: Pipeline, checkpoint_id: str) -> None:
         clock = oplog.PhaseClock()
         entry: Entry | None = None
@@ -204,26 +245,28 @@ class CheckpointManager:
                 return  # nothing to do (compacted already, or gone)
         total, phases = clock.finish()
         if entry is not None:
-            log.info(
-                "checkpoint compacted",
-                extra={
-                    "checkpoint": checkpoint_id,
-                    "size": entry.size,
-                    "label": entry.label,
-                    "seconds": total,
-                },
-            )
+            _log_compacted(entry, total)
         await self._record_background(
             pipeline, oplog.COMPACTION, outcome, [(checkpoint_id, error)], total, phases, entry
         )
 
-    async def _push(self, pipeline: Pipeline, ids: list[str] | None) -> None:
+    async def _push(
+        self,
+        pipeline: Pipeline,
+        ids: list[str] | None,
+        *,
+        compacting: bool = False,
+        urgent: bool = False,
+    ) -> None:
         """Push pending checkpoints (``ids``, or all the outbox holds) to the registry; a
         failure leaves them pending for the next daemon or the node agent."""
         clock = oplog.PhaseClock()
+        compacted = self._compacted_by_push(pipeline) if compacting else None
         try:
             with clock.phase("push"):
-                result = await asyncio.to_thread(pipeline.push_pending, ids)
+                result = await asyncio.to_thread(
+                    functools.partial(pipeline.push_pending, ids, compacted, urgent=urgent)
+                )
         except (ShimError, OSError) as err:
             log.warning(
                 "cannot push checkpoints to the registry; they stay pending",
@@ -293,6 +336,7 @@ class Checkpointing:
     _hurry: asyncio.Event = field(default_factory=asyncio.Event)  # SIGKILL after durable
     _warm_up: asyncio.Task[None] | None = None
     _pod_uid: str = ""  # from the spec's CRI annotations, when the CRI made the container
+    _image: asyncio.Task[str] | None = None  # the image digest's lookup (with a registry)
 
     @property
     def config(self) -> NodeConfig:
@@ -531,6 +575,7 @@ class Checkpointing:
     async def _dump(self, target: Target, request: DumpRequest) -> Dump:
         clock = oplog.PhaseClock()
         self._pod_uid = op_records.pod_uid(target.spec)
+        image = self._image_digest_lookup()
         self._dumping = asyncio.get_running_loop().create_task(self.pipeline.dump(target, request))
         try:
             try:
@@ -538,6 +583,8 @@ class Checkpointing:
                     dump = await self._dumping
                     # The operation began before the store staged the dump.
                     dump.clock.started = clock.started
+                    if image is not None and (digest := await self._settled_digest(image)):
+                        dump.ingest.set_metadata(imageDigest=digest)
                     return dump
             except TimeoutError:
                 raise DeadlineExceeded(
@@ -555,10 +602,64 @@ class Checkpointing:
                     "container was killed while it was being dumped"
                 ) from None
         except BaseException as err:
+            if image is not None:
+                image.cancel()
             self._failed(request.reason, err, clock)
             raise
         finally:
             self._dumping = None
+
+    def look_up_image_later(self) -> None:
+        """With a registry, the image's digest is recorded in each checkpoint (the node
+        that restores it compares its own). It is asked of containerd in the background,
+        LEFTOVERS_DELAY after the Create (off it, and off the stop: the lookup imports
+        grpc), and again while CRIU dumps if it was not known by then."""
+        lookup = self.manager.image_digest
+        if not self.config.registry or lookup is None or self.policy.image_digest:
+            return
+
+        async def later() -> str:
+            await asyncio.sleep(LEFTOVERS_DELAY)
+            return await asyncio.to_thread(lookup, self.container_id)
+
+        self._image = asyncio.get_running_loop().create_task(later())
+        self._image.add_done_callback(_retrieved)
+
+    def _image_digest_lookup(self) -> asyncio.Task[str] | None:
+        """The lookup of the image's digest to record in the dump: the one made in the
+        background when it succeeded, else one started now (see look_up_image_later)."""
+        lookup = self.manager.image_digest
+        if not self.config.registry or lookup is None or self.policy.image_digest:
+            return None
+        known = self._image
+        if known is not None and known.done() and not known.cancelled() and not known.exception():
+            return known
+        if known is not None:
+            known.cancel()
+        self._image = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(lookup, self.container_id)
+        )
+        self._image.add_done_callback(_retrieved)
+        return self._image
+
+    async def _settled_digest(self, lookup: asyncio.Task[str]) -> str:
+        """The digest looked up, or "" (logged): a slow containerd never holds up the stop
+        by more than IMAGE_LOOKUP_GRACE after the dump."""
+        try:
+            async with asyncio.timeout(IMAGE_LOOKUP_GRACE):
+                return await asyncio.shield(lookup)
+        except TimeoutError:
+            lookup.cancel()
+            err: BaseException = DeadlineExceeded(
+                f"containerd did not answer within {IMAGE_LOOKUP_GRACE:g}s"
+            )
+        except (ShimError, OSError) as failure:
+            err = failure
+        log.warning(
+            "cannot tell the container's image digest; the checkpoint records its name only",
+            extra={"container": self.container_id, "error": str(err)},
+        )
+        return ""
 
     async def _publish(self, dump: Dump, reason: str) -> Entry:
         try:
@@ -602,7 +703,9 @@ class Checkpointing:
         )
         if self.config.registry:
             await self._record_push(entry)
-        self._after_commit = self.manager.compact_later(self.pipeline, entry.id)
+        # A stop that reports its exit after the push waits for this compaction too.
+        urgent = reason == "stop" and self.config.registry_sync == "before-exit"
+        self._after_commit = self.manager.compact_later(self.pipeline, entry.id, urgent=urgent)
         return entry
 
     async def _record_push(self, entry: Entry) -> None:
@@ -667,6 +770,34 @@ class Checkpointing:
                 error=what,
             )
         )
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """A background lookup's failure is reported by whoever uses it, or by nobody."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _log_compacted(entry: Entry, seconds: float) -> None:
+    log.info(
+        "checkpoint compacted",
+        extra={
+            "checkpoint": entry.id,
+            "size": entry.size,
+            "label": entry.label,
+            "seconds": seconds,
+        },
+    )
+
+
+def _still_raw(pipeline: Pipeline, checkpoint_id: str) -> bool:
+    """Whether a checkpoint is still to compact (an unreadable store: let it say why)."""
+    try:
+        return pipeline.store.get(checkpoint_id).state == "raw"
+    except NotFound:
+        return False  # removed meanwhile
+    except (ShimError, OSError):
+        return True
 
 
 @contextlib.contextmanager

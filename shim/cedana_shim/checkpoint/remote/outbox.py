@@ -25,7 +25,7 @@ from cedana_shim import errors
 from cedana_shim.checkpoint.store.layout import check_checkpoint_id, dump_json, format_created
 
 if TYPE_CHECKING:
-    from .remote import RemoteStore
+    from .remote import OnCompacted, RemoteStore
 
 __all__ = ["Outbox", "SyncResult", "sync"]
 
@@ -140,11 +140,15 @@ def sync(
     *,
     only: Collection[str] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    on_compacted: OnCompacted | None = None,
+    niced: bool = True,
 ) -> SyncResult:
     """Push every pending checkpoint (or those of ``only`` that are pending), oldest
     first (see the module doc).
 
-    ``progress(checkpoint_id, done, total)`` follows each push's bytes. A checkpoint
+    ``progress(checkpoint_id, done, total)`` follows each push's bytes;
+    ``on_compacted`` is told of each raw checkpoint the push compacted (``niced``, or
+    at the caller's priority when a stop waits for it). A checkpoint
     no longer in the store is dropped from the outbox with a warning.
     """
     result = SyncResult()
@@ -167,6 +171,8 @@ def sync(
                 remote.push(
                     checkpoint_id,
                     None if progress is None else _for(progress, checkpoint_id),
+                    on_compacted,
+                    niced=niced,
                 )
             except errors.ShimError as err:
                 log.warning("push failed: %s", err, extra={"checkpoint": checkpoint_id})

@@ -6,8 +6,12 @@ free space BEFORE anything is downloaded. Blobs the store already holds (chunks 
 an earlier checkpoint) are pinned from it, not downloaded; the rest stream into the
 store's staging dir (store/adopt.py), their sha256 verified on the way, a small
 pool at once, the config first (and checked, so a bad one costs no layer
-download). Only when every blob is there does the store commit the checkpoint;
-any failure removes the staging dir, so nothing partial is ever visible.
+download). With the store's ``cache_raw`` on (and room for it), the CRIU page images
+are written out as their chunks arrive, decompressed on the way (store/rawcache.py):
+the pulled checkpoint comes with its raw-image cache, and the restore runs CRIU at
+once rather than unpacking the blobs first. Only when every blob is there does the
+store commit the checkpoint (and place that cache); any failure removes the staging
+dir, so nothing partial is ever visible.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from cedana_shim.checkpoint.store.layout import (
     MAX_MANIFEST_BYTES,
     MEDIA_TYPE_MANIFEST,
     CheckpointRef,
+    Config,
     Descriptor,
     Manifest,
     parse_checkpoint_ref,
@@ -90,7 +95,11 @@ def read_manifest(
 
 
 def check_config(data: bytes, ref: CheckpointRef, where: str) -> Mapping[str, object]:
-    return parse_config(data, f"{where}: config", ref).metadata
+    return _parse_config(data, ref, where).metadata
+
+
+def _parse_config(data: bytes, ref: CheckpointRef, where: str) -> Config:
+    return parse_config(data, f"{where}: config", ref)
 
 
 def check_sizes(manifest: Manifest, where: str) -> None:
@@ -107,18 +116,24 @@ def check_sizes(manifest: Manifest, where: str) -> None:
             )
 
 
-def _check_space(store: Store, need: int, remote: RemoteCheckpoint) -> None:
+def _free_bytes(store: Store) -> int:
     try:
         st = os.statvfs(store.root)
     except OSError as err:
         raise errors.Internal(f"checking free space in {store.root}: {err}") from err
-    free = st.f_bavail * st.f_frsize
+    return st.f_bavail * st.f_frsize
+
+
+def _check_space(store: Store, need: int, remote: RemoteCheckpoint) -> int:
+    """The bytes free beyond ``need`` and the margin; ResourceExhausted if there are none."""
+    free = _free_bytes(store)
     if need + FREE_MARGIN_BYTES > free:
         raise errors.ResourceExhausted(
             f"pulling checkpoint {remote.checkpoint_id} ({remote.ref}) needs {need} bytes in "
             f"{store.root}, which has {free} free; nothing was downloaded. Free space there "
             "(`cedana checkpoints prune`) and retry"
         )
+    return free - need - FREE_MARGIN_BYTES
 
 
 class _Meter:
@@ -151,15 +166,20 @@ def pull_into(
     blobs = manifest_blobs(manifest)
     with store.begin_adoption(remote.checkpoint_id) as adoption:
         missing = {d: s for d, s in blobs.items() if not adoption.link_existing(d, s)}
-        _check_space(store, sum(missing.values()), remote)
+        spare = _check_space(store, sum(missing.values()), remote)
         meter = _Meter(sum(missing.values()), progress)
-        config = manifest.config
-        if config.digest in missing:
-            _download(client, remote.repository, adoption, config.digest, config.size, meter)
-        check_config(adoption.read_staged(config.digest, MAX_CONFIG_BYTES), ref, where)
-        rest = sorted((d for d in missing if d != config.digest), key=lambda d: -missing[d])
+        cdesc = manifest.config
+        if cdesc.digest in missing:
+            _download(client, remote.repository, adoption, cdesc.digest, cdesc.size, meter)
+        config = _parse_config(adoption.read_staged(cdesc.digest, MAX_CONFIG_BYTES), ref, where)
+        cache = adoption.cache_layer(manifest, config)
+        if cache is not None and cache.raw_size <= spare:
+            adoption.begin_cache(manifest, config)
+        rest = sorted((d for d in missing if d != cdesc.digest), key=lambda d: -missing[d])
         with ThreadPoolExecutor(DOWNLOAD_WORKERS, thread_name_prefix="cedana-pull") as pool:
-            futures = [
+            # Chunks the store had: into the cache while the others download.
+            futures = [pool.submit(adoption.fill_cache, d) for d in blobs if d not in missing]
+            futures += [
                 pool.submit(_download, client, remote.repository, adoption, d, missing[d], meter)
                 for d in rest
             ]

@@ -3,11 +3,12 @@
 One repository per namespace (``<prefix>/<namespace>``), one immutable tag per
 checkpoint (tags.py). A push writes, in this order: the in-flight marker
 ``<tag>.pending`` (manifest.py), every blob the registry lacks (chunked, resumable:
-a push killed half way and run again sends only what is missing), the manifest
-under its tag LAST (the commit point: a tag always names a whole checkpoint), then
-deletes the marker (a registry that refuses deletes keeps it, superseded by the
-tag). Listing reads the tag list only; manifests are read for what a tag does not
-say (a hashed label, a marker's start time). See pull.py for pulls.
+a push killed half way and run again sends only what is missing; a raw checkpoint's
+chunks as its compaction writes them, sender.py), the manifest under its tag LAST
+(the commit point: a tag always names a whole checkpoint), then deletes the marker
+(a registry that refuses deletes keeps it, superseded by the tag). Listing reads the
+tag list only; manifests are read for what a tag does not say (a hashed label, a
+marker's start time). See pull.py for pulls.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import io
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
-from typing import IO, TYPE_CHECKING, Any, Final, TypeAlias
+from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
 from cedana_shim import errors
 from cedana_shim.checkpoint.store.adopt import manifest_blobs
@@ -36,18 +37,19 @@ from .manifest import (
     parse_marker,
 )
 from .model import RemoteCheckpoint
-from .pull import Progress, check_config, check_sizes, pull_into, read_manifest
+from .pull import check_config, check_sizes, pull_into, read_manifest
+from .sender import UPLOAD_WORKERS, BlobSender, Progress
 from .tags import PENDING_SUFFIX, CheckpointTag, encode_label, parse_tag, tag_for
 
 if TYPE_CHECKING:
     from cedana_shim.checkpoint.store import Entry, Store
     from cedana_shim.config import NodeConfig
 
-__all__ = ["UPLOAD_WORKERS", "RemoteStore"]
+__all__ = ["UPLOAD_WORKERS", "OnCompacted", "RemoteStore"]
 
 log = logging.getLogger(__name__)
 
-UPLOAD_WORKERS: Final = 4
+OnCompacted: TypeAlias = "Callable[[Entry, float], None]"  # (the entry, seconds it took)
 # `list` is a method name below, so the class body cannot say list[...].
 _Remotes: TypeAlias = list[RemoteCheckpoint]
 _Ids: TypeAlias = list[str]
@@ -85,13 +87,23 @@ class RemoteStore:
 
     # -- push -------------------------------------------------------------------------
 
-    def push(self, checkpoint_id: str, progress: Progress | None = None) -> RemoteCheckpoint:
-        """Push a checkpoint of the local store (compacting it first if it is raw).
+    def push(
+        self,
+        checkpoint_id: str,
+        progress: Progress | None = None,
+        on_compacted: OnCompacted | None = None,
+        *,
+        niced: bool = True,
+    ) -> RemoteCheckpoint:
+        """Push a checkpoint of the local store, compacting it first if it is raw: each
+        chunk is sent as soon as it is compressed (sender.py); ``on_compacted(entry,
+        seconds)`` is told when the compaction is done; ``niced`` False compacts at
+        this thread's priority (a stop's exit waits for the push).
 
         Idempotent: a checkpoint whose tag exists is not sent again; one whose push
         was interrupted sends only what the registry lacks.
         """
-        entry = self._compacted(checkpoint_id)
+        entry = self._pushable(checkpoint_id)
         # The node that took it, whoever pushes (its shim, the node agent, the CLI):
         # one checkpoint, one tag.
         recorded = entry.metadata.get("node")
@@ -107,71 +119,61 @@ class RemoteStore:
         remote = self._remote(repo, tag, entry.label, complete=True, node=origin)
         if self._manifest_digest(repo, tag.tag) is not None:
             return remote  # the tag is written last: everything is there
-        local = self.store.checkpoint_manifest(entry)
-        manifest = checkpoint_manifest(local, entry.metadata, entry.scope, origin)
         started = datetime.now(UTC)
-        self.client.push_blob(repo, EMPTY_DIGEST, len(EMPTY_CONFIG), _bytes(EMPTY_CONFIG))
-        marker = self.client.put_manifest(
-            repo,
-            tag.tag + PENDING_SUFFIX,
-            marker_manifest(entry.id, entry.scope, entry.label, origin, started),
-            MEDIA_TYPE_MANIFEST,
-        )
-        blobs = manifest_blobs(parse_manifest(local, f"checkpoint {entry.id}: manifest"))
-        self._push_blobs(repo, entry, blobs, progress)
+        what = f"checkpoint {entry.id}"
+        with BlobSender(self.client, repo, what, progress) as sender:
+            marker = sender.first(
+                lambda: self._put_marker(repo, tag.tag + PENDING_SUFFIX, entry, origin, started)
+            )
+            if entry.state == "raw":
+                entry = self._compact(entry.id, sender, on_compacted, niced)
+            local = self.store.checkpoint_manifest(entry)
+            manifest = checkpoint_manifest(local, entry.metadata, entry.scope, origin)
+            blobs = manifest_blobs(parse_manifest(local, f"{what}: manifest"))
+            sender.finish(blobs, lambda digest: self._source(digest, f"{what}: blob {digest}"))
         self.client.put_manifest(repo, tag.tag, manifest, MEDIA_TYPE_MANIFEST)
-        self._delete(repo, marker, quiet=True)
+        self._delete(repo, marker.result(), quiet=True)
         log.info(
             "checkpoint pushed",
             extra={"checkpoint": entry.id, "registry": self.client.host, "tag": tag.tag},
         )
         return remote
 
-    def _compacted(self, checkpoint_id: str) -> Entry:
+    def _pushable(self, checkpoint_id: str) -> Entry:
         entry = self.store.get(checkpoint_id)
         if entry.damage is not None:
             raise errors.DataLoss(f"checkpoint {entry.id} is damaged: {entry.damage}")
-        if entry.state == "compacted":
-            return entry
-        compacted = self.store.compact(checkpoint_id)
+        return entry
+
+    def _put_marker(
+        self, repo: str, marker_tag: str, entry: Entry, origin: str, started: datetime
+    ) -> str:
+        """The in-flight marker (and the empty config it names); its digest."""
+        self.client.push_blob(repo, EMPTY_DIGEST, len(EMPTY_CONFIG), _bytes(EMPTY_CONFIG))
+        return self.client.put_manifest(
+            repo,
+            marker_tag,
+            marker_manifest(entry.id, entry.scope, entry.label, origin, started),
+            MEDIA_TYPE_MANIFEST,
+        )
+
+    def _compact(
+        self,
+        checkpoint_id: str,
+        sender: BlobSender,
+        on_compacted: OnCompacted | None,
+        niced: bool,
+    ) -> Entry:
+        began = time.monotonic()
+        compacted = self.store.compact(checkpoint_id, on_blob=sender.offer, niced=niced)
         if compacted is None:
             raise errors.NotFound(
                 f"checkpoint {checkpoint_id} was removed from {self.store.root} "
                 "(retention or prune) before it could be pushed"
             )
+        if on_compacted is not None:
+            on_compacted(compacted, time.monotonic() - began)
         return compacted
-
-    def _push_blobs(
-        self, repo: str, entry: Entry, blobs: Mapping[str, int], progress: Progress | None
-    ) -> None:
-        total = sum(blobs.values())
-        held: dict[str, int] = {}
-
-        def one(digest: str) -> None:
-            def update(n: int) -> None:
-                with self._lock:
-                    held[digest] = n
-                    done = sum(held.values())
-                if progress is not None:
-                    progress(done, total)
-
-            what = f"checkpoint {entry.id}: blob {digest}"
-            result = self.client.push_blob(
-                repo, digest, blobs[digest], self._source(digest, what), update
-            )
-            if result.existed:
-                update(blobs[digest])
-
-        order = sorted(blobs, key=lambda d: -blobs[d])
-        with ThreadPoolExecutor(UPLOAD_WORKERS, thread_name_prefix="cedana-push") as pool:
-            futures = [pool.submit(one, digest) for digest in order]
-            try:
-                for future in futures:
-                    future.result()
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
 
     def _source(self, digest: str, what: str) -> Callable[[int], IO[bytes]]:
         def open_at(offset: int) -> IO[bytes]:

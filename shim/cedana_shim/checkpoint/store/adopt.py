@@ -16,23 +16,33 @@ renames the blobs into ``blobs/sha256``, the manifest last, and appends the
 checkpoint to index.json: the commit sequence of a compaction, so nothing partial
 is ever visible and a failure leaves the store as it was. Retention does not apply:
 an adopted checkpoint was asked for.
+
+With ``cache_raw`` on, a pull also builds the CRIU layer's raw-image cache while the
+chunks stream in (``begin_cache``, rawcache.py); adopt moves it to ``raw/<id>/`` in
+the same hold of the lock, when the files rebuild the file list the config records
+and the checkpoint is the newest of its label, so that a restore runs CRIU from it
+at once instead of unpacking the blobs first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import threading
 import weakref
 from collections.abc import Callable
-from typing import IO, BinaryIO, Final
+from typing import IO, BinaryIO, Final, cast
+
+import zstandard
 
 from cedana_shim import errors
 
 from . import fsutil
-from .catalog import Catalog, manifest_state
+from .catalog import Catalog, manifest_state, newest_first
 from .compress import hash_fd
+from .filelist import CACHE_LIST_SUFFIX
 from .ingest import create_locked_dir
 from .layout import (
     ANN_CREATED,
@@ -42,9 +52,13 @@ from .layout import (
     ANN_TITLE,
     MAX_CONFIG_BYTES,
     MAX_MANIFEST_BYTES,
+    MEDIA_TYPE_CRIU,
     MEDIA_TYPE_MANIFEST,
     CheckpointRef,
+    Config,
+    ConfigLayer,
     Descriptor,
+    Index,
     Manifest,
     check_checkpoint_id,
     is_digest,
@@ -54,6 +68,7 @@ from .layout import (
     parse_manifest,
 )
 from .model import Entry
+from .rawcache import CACHE_DIR_PREFIX, CacheBuilder, ChunkSink
 
 __all__ = ["Adopter", "Adoption", "manifest_blobs"]
 
@@ -87,8 +102,12 @@ class Adoption:
         fds: tuple[int, int, int],  # (its directory, its lock, the store's blobs dir)
         os_error: Callable[[OSError, str], errors.ShimError],
         remove: Callable[[], None],
+        *,
+        cache_raw: bool = False,
     ) -> None:
         self.checkpoint_id = checkpoint_id
+        self._cache_raw = cache_raw
+        self._cache: CacheBuilder | None = None
         self.path = path
         self._dir_fd, self._lock_fd, self._blobs_fd = fds
         self._os_error = os_error
@@ -125,8 +144,11 @@ class Adoption:
                 dir_fd=self._dir_fd,
             )  # fmt: skip
             try:
+                sink = self._cache.sink(digest) if self._cache is not None else None
                 with os.fdopen(fd, "wb", closefd=False) as out:
-                    fill(out)
+                    fill(out if sink is None else cast("IO[bytes]", _Tee(out, sink)))
+                if sink is not None:
+                    sink.finish()
                 have = os.fstat(fd).st_size
                 if have != size:
                     raise errors.DataLoss(f"{what}: {have} bytes staged, expected {size}")
@@ -187,11 +209,93 @@ class Adoption:
             raise errors.DataLoss(f"{path} does not hash to {digest}")
         return data
 
+    # -- the raw-image cache (see rawcache.py) ----------------------------------------
+
+    def cache_layer(self, manifest: Manifest, config: Config) -> ConfigLayer | None:
+        """The layer whose raw-image cache this pull can build (None: none, or
+        ``cache_raw`` is off); its ``raw_size`` is what the cache takes on disk."""
+        if not self._cache_raw:
+            return None
+        for layer in config.layers:
+            chunks = manifest.chunks.get(layer.name, ())
+            if (
+                layer.media_type == MEDIA_TYPE_CRIU
+                and layer.split_files
+                and layer.name in config.raw_files
+                and CacheBuilder.worth_building(chunks)
+            ):
+                return layer
+        return None
+
+    def begin_cache(self, manifest: Manifest, config: Config) -> bool:
+        """Build the raw-image cache of ``cache_layer`` as the blobs are staged."""
+        layer = self.cache_layer(manifest, config)
+        if layer is None or self._cache is not None:
+            return False
+        where = f"checkpoint {self.checkpoint_id}"
+        try:
+            self._cache = CacheBuilder(
+                self._dir_fd,
+                layer,
+                manifest.chunks.get(layer.name, ()),
+                config.raw_files[layer.name],
+                where,
+            )
+        except OSError as err:
+            raise self._os_error(err, f"creating the raw-image cache in {self.path}") from err
+        return True
+
+    def fill_cache(self, digest: str) -> None:
+        """Write a staged (or linked) chunk blob into the cache, if it is one of its."""
+        cache = self._cache
+        if cache is None or not cache.wants(digest):
+            return
+        try:
+            cache.fill_from(digest, self._open_staged)
+        except OSError as err:
+            raise self._os_error(err, f"writing the raw-image cache in {self.path}") from err
+
+    def finish_cache(self) -> tuple[str, bytes] | None:
+        """(the cache's dir in the staging dir, its file list), or None: no cache. Every
+        blob must be staged; DataLoss if one does not decompress to what the manifest
+        says."""
+        cache = self._cache
+        if cache is None:
+            return None
+        tar_digest = cache.layer.digest
+        try:
+            for digest in cache.unfilled():
+                cache.fill_from(digest, self._open_staged)
+            fd = self._open_staged(tar_digest)
+            try:
+                with os.fdopen(fd, "rb", closefd=False) as blob:
+                    reader = zstandard.ZstdDecompressor().stream_reader(blob, closefd=False)
+                    try:
+                        data = cache.finish(cast("IO[bytes]", reader))
+                    except zstandard.ZstdError as err:
+                        raise errors.DataLoss(
+                            f"checkpoint {self.checkpoint_id}: blob {tar_digest}: corrupt zstd "
+                            f"data ({err})"
+                        ) from None
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise self._os_error(err, f"writing the raw-image cache in {self.path}") from err
+        finally:
+            cache.close()
+        return None if data is None else (cache.dir_name, data)
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._cache is not None:
+                self._cache.close()
             self._remove()  # while locked: gc keeps its hands off
         self._release()
+
+    def _open_staged(self, digest: str) -> int:
+        name = self._name(digest)
+        return fsutil.open_file(self._dir_fd, name, path=os.path.join(self.path, name))
 
     def _name(self, digest: str) -> str:
         if not is_digest(digest):
@@ -203,6 +307,19 @@ class Adoption:
             raise errors.FailedPrecondition(
                 f"the adoption of checkpoint {self.checkpoint_id} was closed; begin a new one"
             )
+
+
+class _Tee:
+    """A staged blob's file, and the cache's sink for the same bytes."""
+
+    def __init__(self, out: IO[bytes], sink: ChunkSink) -> None:
+        self._out = out
+        self._sink = sink
+
+    def write(self, data: bytes) -> int:
+        self._out.write(data)
+        self._sink.write(data)
+        return len(data)
 
 
 def _close_all(*fds: int) -> None:
@@ -258,6 +375,7 @@ class Adopter(Catalog):
             (dir_fd, lock_fd, sha),
             self._os_error,
             remove,
+            cache_raw=self.config.cache_raw,
         )
 
     def adopt(self, adoption: Adoption, manifest: bytes) -> Entry:
@@ -284,6 +402,7 @@ class Adopter(Catalog):
             if known.id == ref.id:
                 return self._load_entry(known)
         self._check_adoptable(adoption, parsed, ref, where)
+        cache = adoption.finish_cache()
         try:
             fsutil.create_file_at(adoption._dir_fd, _MANIFEST_NAME, manifest)
             with self._index_lock():
@@ -292,7 +411,7 @@ class Adopter(Catalog):
                     if known.id == ref.id:
                         return self._load_entry(known)
                 placed: list[str] = []
-                committed = False
+                committed = cached = False
                 try:
                     with self._blobs() as blobs:
                         for digest in manifest_blobs(parsed):
@@ -301,6 +420,7 @@ class Adopter(Catalog):
                         os.fsync(blobs)
                         self._place(adoption._dir_fd, _MANIFEST_NAME, blobs, desc.digest, placed)
                         os.fsync(blobs)
+                    cached = cache is not None and self._place_cache(adoption, index, ref, cache)
                     new_index = self._replace_index(
                         index, [*index.descriptors, desc], "adopt-index-temp-written"
                     )
@@ -310,11 +430,35 @@ class Adopter(Catalog):
                 except BaseException:
                     if not committed:
                         self._unplace(placed)
+                        if cached:
+                            with contextlib.suppress(OSError), self._dir("raw") as raw:
+                                fsutil.remove_entry(raw, ref.id)
                     raise
         except OSError as err:
             raise self._os_error(err, f"adopting {where} into {self.root}") from err
         position = len(new_index.descriptors) - 1
         return self._load_entry(parse_checkpoint_ref(desc, position, "index.json"))
+
+    def _place_cache(
+        self, adoption: Adoption, index: Index, ref: CheckpointRef, cache: tuple[str, bytes]
+    ) -> bool:
+        """Move the built raw-image cache to ``raw/<id>/<layer>`` beside its file list,
+        when the checkpoint is the newest of its label (gc keeps no other's cache).
+        Under the index lock, before the index write that adds the checkpoint."""
+        group = [r for r in index.checkpoints if (r.scope, r.label) == (ref.scope, ref.label)]
+        mine = dataclasses.replace(ref, position=len(index.descriptors))
+        if newest_first([*group, mine])[0] is not mine:
+            return False
+        dir_name, file_list = cache
+        layer = dir_name.removeprefix(CACHE_DIR_PREFIX)
+        with self._dir("raw", create=True) as raw:
+            fsutil.remove_entry(raw, ref.id)  # a crash's leftover: no checkpoint has it
+            os.mkdir(ref.id, 0o700, dir_fd=raw)
+            with fsutil.opened_dir(raw, ref.id, path=self._path("raw")) as target:
+                os.rename(dir_name, layer, src_dir_fd=adoption._dir_fd, dst_dir_fd=target)
+                fsutil.write_file_atomic(target, layer + CACHE_LIST_SUFFIX, file_list)
+            os.fsync(raw)
+        return True
 
     def _check_adoptable(
         self, adoption: Adoption, manifest: Manifest, ref: CheckpointRef, where: str

@@ -93,13 +93,18 @@ def _fsync_and_close(fd: int) -> None:
         os.close(fd)
 
 
-def _read_exactly(fd: int, size: int) -> bytes:
-    data = bytearray(size)
-    view = memoryview(data)
-    got = 0
-    while got < size and (n := os.preadv(fd, [view[got:]], got)):
-        got += n
-    return bytes(view[:got])
+def _same_bytes(fd: int, data: bytes) -> bool:
+    """Whether the file holds ``data`` (read a piece at a time: a chunk is MiBs, and a
+    second checkpoint compares most of its chunks with the store's)."""
+    buf = bytearray(CHUNK)
+    view, want = memoryview(buf), memoryview(data)
+    offset = 0
+    while offset < len(data):
+        n = os.preadv(fd, [view[: min(CHUNK, len(data) - offset)]], offset)
+        if n == 0 or view[:n] != want[offset : offset + n]:
+            return False
+        offset += n
+    return os.preadv(fd, [view[:1]], offset) == 0
 
 
 class ChunkWriter:
@@ -110,9 +115,17 @@ class ChunkWriter:
     """
 
     def __init__(
-        self, work_fd: int, blobs_fd: int, *, level: int, chunk_size: int, workers: int
+        self,
+        work_fd: int,
+        blobs_fd: int,
+        *,
+        level: int,
+        chunk_size: int,
+        workers: int,
+        on_chunk: Callable[[str, int], None] | None = None,
     ) -> None:
         self._work_fd = work_fd
+        self._on_chunk = on_chunk
         self._blobs_fd = blobs_fd
         self._level = level
         self._chunk_size = chunk_size
@@ -196,6 +209,8 @@ class ChunkWriter:
                 buffers.put(buf)
             digest = fsutil.sha256_bytes(data)
             self._keep(digest, data)
+            if self._on_chunk is not None:
+                self._on_chunk(digest, len(data))  # must not raise: see Compactor.compact
             return Chunk(file, offset, n, digest, len(data))
         except BaseException:
             self._failed = True  # the reading thread stops early
@@ -244,7 +259,7 @@ class ChunkWriter:
             same = False  # not a regular file: never the store's
         else:
             try:
-                same = os.fstat(fd).st_size == len(data) and _read_exactly(fd, len(data)) == data
+                same = os.fstat(fd).st_size == len(data) and _same_bytes(fd, data)
             finally:
                 os.close(fd)
         if not same:

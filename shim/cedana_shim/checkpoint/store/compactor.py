@@ -13,6 +13,10 @@ position: the commit marker again.
 Last, the raw files are kept as the raw-image cache (the newest checkpoint of
 its label, ``cache_raw`` on, only layers marked keep_raw, with a copy of their
 file list beside them) or deleted. Runs in a thread of its own at nice 10.
+
+A caller can be told of each chunk blob as soon as it is written (``on_blob``):
+a push to a registry sends it while the next ones are being compressed, from the
+work dir or, once the compaction has placed it, from the store.
 """
 
 from __future__ import annotations
@@ -25,13 +29,13 @@ import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import IO, Any, TypeAlias, TypeVar
 
 from cedana_shim import errors
 
 from . import fsutil, gc
 from .catalog import Catalog, newest_first
-from .chunks import ChunkWriter, pool_width, split_file_list, split_files_of
+from .chunks import ChunkWriter, chunk_temp_name, pool_width, split_file_list, split_files_of
 from .compress import WrittenBlob, compress_stream
 from .filelist import CACHE_LIST_SUFFIX, FileList, RawFile
 from .ingest import create_locked_dir
@@ -53,16 +57,19 @@ from .layout import (
 from .model import Entry
 from .rawfiles import write_layer
 
-__all__ = ["Compactor"]
+__all__ = ["Compactor", "OnBlob", "OpenBlob"]
 
 log = logging.getLogger(__name__)
 
 NICE: int = 10
 T = TypeVar("T")
+OpenBlob: TypeAlias = Callable[[int], IO[bytes]]  # offset -> a stream positioned there
+OnBlob: TypeAlias = Callable[[str, int, OpenBlob], None]  # (digest, size, open_at)
 
 
-def run_niced(fn: Callable[[], T]) -> T:
-    """``fn()`` in a thread of its own at nice >= NICE: compaction competes with workloads.
+def run_niced(fn: Callable[[], T], nice: int = NICE) -> T:
+    """``fn()`` in a thread of its own at nice >= ``nice``: compaction competes with
+    workloads.
 
     A thread of its own, so the priority dies with it (a pool thread would keep
     it); zstd's workers, created from it, inherit it.
@@ -74,7 +81,7 @@ def run_niced(fn: Callable[[], T]) -> T:
         tid = threading.get_native_id()
         with contextlib.suppress(OSError):
             current = os.getpriority(os.PRIO_PROCESS, tid)
-            os.setpriority(os.PRIO_PROCESS, tid, max(current, NICE))
+            os.setpriority(os.PRIO_PROCESS, tid, max(current, nice))
         try:
             result.append(fn())
         except BaseException as err:  # re-raised in the caller's thread
@@ -122,17 +129,23 @@ def _config_layer(c: _Compressed) -> dict[str, Any]:
 
 
 class Compactor(Catalog):
-    def compact(self, checkpoint_id: str) -> Entry | None:
+    def compact(
+        self, checkpoint_id: str, on_blob: OnBlob | None = None, *, niced: bool = True
+    ) -> Entry | None:
         """Compact a raw checkpoint (see the module doc); blocking, idempotent.
 
         Returns the compacted entry (at once if it already was), or None if the
         checkpoint is gone (removed by retention or prune meanwhile). DataLoss
         when its raw files do not match their file lists: it stays raw.
+        ``on_blob(digest, size, open_at)`` is called (from a compression thread;
+        it must neither raise nor block) for each chunk blob once it is written;
+        ``open_at(offset)`` opens it, where it is then, positioned at ``offset``.
+        ``niced`` False: at the caller's priority (a stop's exit waits for it).
         """
         if (why := check_checkpoint_id(checkpoint_id)) is not None:
             raise errors.InvalidArgument(why)
         try:
-            return run_niced(lambda: self._compact(checkpoint_id))
+            return run_niced(lambda: self._compact(checkpoint_id, on_blob), NICE if niced else 0)
         except OSError as err:
             raise self._os_error(err, f"compacting checkpoint {checkpoint_id}") from err
 
@@ -163,7 +176,7 @@ class Compactor(Catalog):
                 return self._load_entry(ref)
         return None
 
-    def _compact(self, checkpoint_id: str) -> Entry | None:
+    def _compact(self, checkpoint_id: str, on_blob: OnBlob | None) -> Entry | None:
         entry = self._find_raw(checkpoint_id)
         if entry is None or entry.state == "compacted":
             return entry
@@ -174,7 +187,7 @@ class Compactor(Catalog):
                 entry = self._find_raw(checkpoint_id)
                 if entry is None or entry.state == "compacted":
                     return entry
-                return self._compact_locked(entry, raw_fd)
+                return self._compact_locked(entry, raw_fd, on_blob)
         except FileNotFoundError:
             if self._find(checkpoint_id) is None:
                 return None
@@ -195,16 +208,18 @@ class Compactor(Catalog):
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield fd
 
-    def _compact_locked(self, entry: Entry, raw_fd: int) -> Entry | None:
+    def _compact_locked(self, entry: Entry, raw_fd: int, on_blob: OnBlob | None) -> Entry | None:
         with self._dir("ingest") as ingest_root:
             name, work_fd, lock_fd = create_locked_dir(
                 ingest_root,
                 lambda: f"compact-{entry.id}-{secrets.token_hex(4)}",
                 {"compacting": entry.id},
             )
+            announce = None if on_blob is None else self._announcer(name, on_blob)
             try:
                 compressed = [
-                    self._compress(entry, i, raw_fd, work_fd) for i in range(len(entry.layers))
+                    self._compress(entry, i, raw_fd, work_fd, announce)
+                    for i in range(len(entry.layers))
                 ]
                 config, manifest = self._write_compacted(entry, compressed, work_fd)
                 return self._swap(entry, compressed, work_fd, (config, manifest), raw_fd)
@@ -213,7 +228,36 @@ class Compactor(Catalog):
                 os.close(work_fd)
                 os.close(lock_fd)
 
-    def _compress(self, entry: Entry, i: int, raw_fd: int, work_fd: int) -> _Compressed:
+    def _announcer(self, work_name: str, on_blob: OnBlob) -> Callable[[str, int], None]:
+        """What a chunk writer calls for each chunk blob: ``on_blob`` with an opener that
+        finds the blob in the work dir, or in blobs/sha256 once it was placed there."""
+
+        def opener(digest: str) -> OpenBlob:
+            tmp = chunk_temp_name(digest)
+            what = f"chunk blob {digest}"
+
+            def open_at(offset: int) -> IO[bytes]:
+                try:
+                    with self._dir("ingest", work_name) as work_fd:
+                        fd = fsutil.open_file(work_fd, tmp, path=self._path("ingest", work_name))
+                except FileNotFoundError:  # placed (renamed into the store) meanwhile
+                    fd = self._open_blob(digest, what)
+                stream = os.fdopen(fd, "rb")
+                stream.seek(offset)
+                return stream
+
+            return open_at
+
+        return lambda digest, size: on_blob(digest, size, opener(digest))
+
+    def _compress(
+        self,
+        entry: Entry,
+        i: int,
+        raw_fd: int,
+        work_fd: int,
+        announce: Callable[[str, int], None] | None,
+    ) -> _Compressed:
         layer = entry.layers[i]
         what = f"checkpoint {entry.id}: layer {layer.name!r}"
         found = self._file_list_bytes(entry, layer.name)
@@ -244,7 +288,9 @@ class Compactor(Catalog):
             chunks: list[Chunk] = []
             temps: dict[str, str] = {}
             if split:
-                chunks, temps = self._write_chunks(entry, layer_fd, split, work_fd, path, describe)
+                chunks, temps = self._write_chunks(
+                    entry, layer_fd, split, work_fd, (path, describe), announce
+                )
         self._step("layer-written")
         if files.cache and self.config.cache_raw:
             # Beside the files it describes, for raw_images() once compacted.
@@ -265,9 +311,10 @@ class Compactor(Catalog):
         layer_fd: int,
         split: tuple[RawFile, ...],
         work_fd: int,
-        path: str,
-        describe: str,
+        names: tuple[str, str],  # (path, describe)
+        announce: Callable[[str, int], None] | None,
     ) -> tuple[list[Chunk], dict[str, str]]:
+        path, describe = names
         with self._blobs() as blobs_fd:
             writer = ChunkWriter(
                 work_fd,
@@ -275,6 +322,7 @@ class Compactor(Catalog):
                 level=self.config.compression_level,
                 chunk_size=self.config.chunk_size,
                 workers=pool_width(self.config.threads),
+                on_chunk=announce,
             )
             chunks = writer.write(layer_fd, split, path=path, describe=describe)
         log.info(

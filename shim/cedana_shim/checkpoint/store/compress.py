@@ -41,6 +41,7 @@ __all__ = [
     "extract_tar",
     "extract_tar_zstd",
     "hash_fd",
+    "member_path",
 ]
 
 _Bytes: TypeAlias = bytes | bytearray | memoryview
@@ -270,7 +271,7 @@ class LayerStream(io.RawIOBase):
         super().close()
 
 
-def _member_path(member: tarfile.TarInfo) -> str | None:
+def member_path(member: tarfile.TarInfo) -> str | None:
     """The member's path relative to the destination; None for the root itself.
 
     Stricter than tarfile's "data" filter on purpose: no link of any kind is
@@ -355,7 +356,7 @@ def extract_tar(source: _Readable, dest: str, describe: str) -> None:
             for member in tar:
                 member_name = member.name
                 try:
-                    rel = _member_path(member)
+                    rel = member_path(member)
                 except ValueError as why:
                     raise errors.DataLoss(
                         f"{describe}: unsafe tar member {member.name!r} ({why}); "

@@ -61,7 +61,7 @@ State: TypeAlias = Literal["raw", "compacted"]
 @dataclass(frozen=True)
 class StoreConfig:
     root: str = "/var/lib/cedana/checkpoints"
-    compression_level: int = 3  # zstd level, -7 (fastest) .. 22
+    compression_level: int = 1  # zstd level, -7 (fastest) .. 22
     threads: int = 0  # zstd worker threads; 0 = all cores
     retain: int = 3  # checkpoints kept per (scope, label) at publish; 0 = keep all
     # Keep the raw CRIU images of the newest checkpoint per label after compaction.
