@@ -56,6 +56,7 @@ from .harness.cr_support import (
     entries,
     parse_ticks,
     restored_from,
+    shim_pid,
     started_cold,
     unique_label,
     wait_ticks,
@@ -204,13 +205,17 @@ def test_a_checkpoint_is_not_restored_into_another_image_on_another_node(
         images = n.b.images
         n.on_b.ctr("images", "tag", "--force", images.pause, images.busybox)
         log_b = ShimLog(n.b)
-        outcome = started_cold(n.events_b, n.on_b.start("b"))
+        second = n.on_b.start("b")
+        outcome = started_cold(n.events_b, second)
         detail = str(outcome.field("detail"))
         assert checkpoint in detail and "this container's image is" in detail, detail
         digests = re.findall(r"sha256:[0-9a-f]{64}", detail)
         assert len(set(digests)) == 2, detail
         assert not entries(n.b.store)  # refused before the pull
         assert not log_b.find("pulled checkpoint from the registry")
+        # The digest was asked by a child: grpc never stays in the pod's shim.
+        maps = Path(f"/proc/{shim_pid(n.b, second)}/maps").read_text()
+        assert "cygrpc" not in maps and "grpc" not in maps
 
 
 def test_a_chunk_corrupted_in_the_registry_leaves_nothing_on_the_pulling_node(
@@ -225,7 +230,8 @@ def test_a_chunk_corrupted_in_the_registry_leaves_nothing_on_the_pulling_node(
         (entry,) = entries(n.a.store, label=label)
         chunk = max(entry.layer("criu").chunks, key=lambda c: c.size)
         registry.corrupt_blob(chunk.digest, offset=chunk.size // 2)
-        outcome = started_cold(n.events_b, n.on_b.start("b"))
+        second = n.on_b.start("b")
+        outcome = started_cold(n.events_b, second)
         detail = str(outcome.field("detail"))
         assert checkpoint in detail and "cannot pull it" in detail, detail
         assert not entries(n.b.store)

@@ -44,7 +44,7 @@ import os
 import platform
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -223,7 +223,7 @@ class RestoreSession:
         report: Callable[[RestoreReport], None],
         writing_here: Callable[[str, str], bool] = lambda scope, label: False,
         remote: Callable[[], RemoteStore] | None = None,
-        image_digest: Callable[[], str] | None = None,
+        image_digest: Callable[[], Awaitable[str]] | None = None,
     ) -> None:
         self.store = store
         self.hooks = hooks
@@ -510,7 +510,7 @@ class RestoreSession:
             self._digest = ""
             if self._image_digest is not None:
                 try:
-                    self._digest = await asyncio.to_thread(self._image_digest)
+                    self._digest = await self._image_digest()
                 except (ShimError, OSError) as err:
                     log.warning(
                         "cannot tell this container's image digest; remote checkpoints are "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -15,7 +16,7 @@ import socket
 
 from .. import log as shim_log
 from ..errors import ShimError
-from ..runtime.containerd_images import ContainerdImages
+from ..runtime.containerd_images import ContainerdImages, target_digest_in_child
 from ..runtime.reaper import Reaper, set_child_subreaper
 from ..task.checkpointing import CheckpointManager
 from ..task.events import Publisher
@@ -97,7 +98,9 @@ async def _serve(args: ShimArgs, start_stdin: bytes) -> int:
     stop = asyncio.Event()
     # The composition root: everything the service uses is built here, once.
     images = ContainerdImages(args.address, args.namespace)
-    checkpoints = CheckpointManager(publisher, pipelines, images.target_digest)
+    checkpoints = CheckpointManager(
+        publisher, pipelines, functools.partial(target_digest_in_child, images, reaper)
+    )
     async with OomWatcher(lambda container_id: service.publish_oom(container_id)) as oom:
         service = TaskService(
             args.namespace,

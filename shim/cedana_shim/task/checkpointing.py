@@ -26,7 +26,7 @@ import logging
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -55,7 +55,7 @@ LEFTOVERS_DELAY = 5.0  # seconds after a daemon first uses a store
 PUSH_POLL = 0.2  # seconds between looks at a push another process is making
 IMAGE_LOOKUP_GRACE = 1.0  # seconds a stop waits for its image digest after the dump
 TargetFn = Callable[[], Target]
-ImageDigest = Callable[[str], str]  # container id -> its image's digest (blocking)
+ImageDigest = Callable[[str], Awaitable[str]]  # container id -> its image's digest
 
 
 class PipelineSource(Protocol):
@@ -73,7 +73,7 @@ class CheckpointManager:
     ) -> None:
         self.events = events
         self.pipelines = pipelines
-        # A container's image digest from containerd (blocking): asked only with a
+        # A container's image digest from containerd: asked only with a
         # registry, where checkpoints move between nodes (runtime/containerd_images.py).
         self.image_digest = image_digest
         self._writing: Counter[tuple[str, str]] = Counter()  # (scope, label) -> dumps
@@ -113,7 +113,7 @@ class CheckpointManager:
     def publish(self, event: Message) -> None:
         self.events.send(event)
 
-    def _digest_of(self, container_id: str) -> Callable[[], str] | None:
+    def _digest_of(self, container_id: str) -> Callable[[], Awaitable[str]] | None:
         lookup = self.image_digest
         return None if lookup is None else functools.partial(lookup, container_id)
 
@@ -612,15 +612,16 @@ class Checkpointing:
     def look_up_image_later(self) -> None:
         """With a registry, the image's digest is recorded in each checkpoint (the node
         that restores it compares its own). It is asked of containerd in the background,
-        LEFTOVERS_DELAY after the Create (off it, and off the stop: the lookup imports
-        grpc), and again while CRIU dumps if it was not known by then."""
+        LEFTOVERS_DELAY after the Create (off it, and off the stop: the lookup starts a
+        Python child that imports grpc), and again while CRIU dumps if it was not known
+        by then."""
         lookup = self.manager.image_digest
         if not self.config.registry or lookup is None or self.policy.image_digest:
             return
 
         async def later() -> str:
             await asyncio.sleep(LEFTOVERS_DELAY)
-            return await asyncio.to_thread(lookup, self.container_id)
+            return await lookup(self.container_id)
 
         self._image = asyncio.get_running_loop().create_task(later())
         self._image.add_done_callback(_retrieved)
@@ -636,9 +637,7 @@ class Checkpointing:
             return known
         if known is not None:
             known.cancel()
-        self._image = asyncio.get_running_loop().create_task(
-            asyncio.to_thread(lookup, self.container_id)
-        )
+        self._image = asyncio.get_running_loop().create_task(_awaited(lookup(self.container_id)))
         self._image.add_done_callback(_retrieved)
         return self._image
 
@@ -798,6 +797,10 @@ def _still_raw(pipeline: Pipeline, checkpoint_id: str) -> bool:
         return False  # removed meanwhile
     except (ShimError, OSError):
         return True
+
+
+async def _awaited(awaitable: Awaitable[str]) -> str:
+    return await awaitable
 
 
 @contextlib.contextmanager
