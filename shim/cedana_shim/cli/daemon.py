@@ -18,7 +18,7 @@ from .. import log as shim_log
 from ..errors import ShimError
 from ..runtime.containerd_images import ContainerdImages, target_digest_in_child
 from ..runtime.reaper import Reaper, set_child_subreaper
-from ..task.checkpointing import CheckpointManager
+from ..task.checkpoint_manager import CheckpointManager
 from ..task.events import Publisher
 from ..task.oom import OomWatcher
 from ..task.options import decode_start_stdin, parse_runtime_options

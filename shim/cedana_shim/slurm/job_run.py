@@ -32,7 +32,8 @@ from ..errors import FailedPrecondition, InvalidArgument, NotFound, ShimError
 from ..runtime.reaper import Exit, Reaper, set_child_subreaper
 from ..runtime.runc import Runc
 from ..runtime.unmount import unmount_all
-from ..task.checkpointing import STOP_SIGNALS, Checkpointing, CheckpointManager, PipelineSource
+from ..task.checkpoint_manager import CheckpointManager, PipelineSource
+from ..task.checkpointing import STOP_SIGNALS, Checkpointing
 from ..task.process import Process, State
 from . import cgroups, job_spec, leftovers
 from .control import RUN_DIR, SOCKET_DIR, ControlServer, socket_path

@@ -34,7 +34,8 @@ from ..errors import FailedPrecondition, InvalidArgument, NotFound, ShimError
 from ..runtime.mount import Mount
 from ..runtime.reaper import Exit, Reaper
 from ..ttrpc.server import CallContext, Method
-from .checkpointing import CheckpointManager, require_enabled
+from .checkpoint_manager import CheckpointManager
+from .checkpointing import require_enabled
 from .container import Container, load_spec
 from .events import EventSender
 from .oom import OomWatcher
