@@ -76,6 +76,10 @@ def _handler(name: str) -> Handler:
             from .admin_doctor import run_doctor
 
             return run_doctor(args)
+        if name == "inspect":
+            from .admin_inspect import cmd_inspect
+
+            return cmd_inspect(args)
         from . import admin_store
 
         fn: Handler = getattr(admin_store, f"cmd_{name}")

@@ -124,7 +124,7 @@ def open_remote(args: argparse.Namespace) -> RemoteStore:
     return remote
 
 
-def _write_json(value: Any) -> None:
+def write_json(value: Any) -> None:
     sys.stdout.write(json.dumps(value, indent=2) + "\n")
 
 
@@ -185,7 +185,7 @@ def cmd_list_remote(args: argparse.Namespace) -> int:
     elif args.json:
         from .admin_store import restore_with
 
-        _write_json(
+        write_json(
             [
                 {
                     **r.to_json(),
@@ -216,7 +216,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     if args.json:
-        _write_json({**pushed.to_json(), "registry": remote.client.host})
+        write_json({**pushed.to_json(), "registry": remote.client.host})
     else:
         sys.stdout.write(f"{remote.client.host}/{pushed.repository}:{pushed.tag}\n")
     return 0
@@ -272,7 +272,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     if args.json:
-        _write_json(list_item(entry))
+        write_json(list_item(entry))
     else:
         sys.stdout.write(
             f"{entry.id}  ({entry.scope}/{entry.label}, {human_size(entry.size)}) "
@@ -315,7 +315,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
             bar.close()
     pending = outbox.pending()
     if args.json:
-        _write_json(_sync_json(result, pending))
+        write_json(_sync_json(result, pending))
     else:
         lines = [f"pushed {cid}" for cid in result.pushed]
         lines += [f"busy   {cid} (another process is pushing it)" for cid in result.busy]
