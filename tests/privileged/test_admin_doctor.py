@@ -18,6 +18,31 @@ def test_doctor_on_this_node_is_ready(capsys: pytest.CaptureFixture[str], tmp_pa
     assert report["runc"]["ok"]
     # No GPU here: reported as such, and not a reason to fail a CPU node.
     assert report["gpu"]["devices"] == []
+    # The cost-changing features as the kernel itself tells them: userfaultfd exists
+    # with its sysctl; pagemap shows soft-dirty bits only with CONFIG_MEM_SOFT_DIRTY.
+    features = report["criu"]["features"]
+    assert (
+        features["lazyPages"]["available"] is Path("/proc/sys/vm/unprivileged_userfaultfd").exists()
+    )
+    assert features["dirtyTracking"]["available"] is _soft_dirty()
+
+
+def _soft_dirty() -> bool:
+    """Whether a page written after its soft-dirty bit was cleared shows the bit again
+    in pagemap (bit 55): always 0 in a kernel without CONFIG_MEM_SOFT_DIRTY."""
+    import ctypes
+    import mmap
+    import struct
+
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    page[0] = 1
+    Path("/proc/self/clear_refs").write_text("4")
+    page[0] = 2
+    address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(address // mmap.PAGESIZE * 8)
+        (entry,) = struct.unpack("<Q", pagemap.read(8))
+    return bool(entry >> 55 & 1)
 
 
 def test_store_with_open_permissions_is_a_problem(tmp_path: Path) -> None:

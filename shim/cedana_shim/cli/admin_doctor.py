@@ -62,7 +62,37 @@ def check_criu() -> dict[str, Any]:
     report["inetSockets"] = problem is None
     if problem is not None:
         report.update(ok=False, problem=problem)
+    report["features"] = criu_features(path)
     return report
+
+
+# CRIU features that change what a checkpoint costs here, not whether it works:
+# (name in `criu check --feature`, what it gives, what the node does without it).
+CRIU_FEATURES = (
+    (
+        "uffd-noncoop",
+        "lazyPages",
+        "lazy restore (node config lazy_restore): the tasks run before all their memory is in",
+        "restores are eager: all memory is read before the tasks run",
+    ),
+    (
+        "mem_dirty_track",
+        "dirtyTracking",
+        "the kernel tracks dirty pages (CONFIG_MEM_SOFT_DIRTY)",
+        "no dirty-page tracking in this kernel (CONFIG_MEM_SOFT_DIRTY): every dump "
+        "freezes the container for all of its memory; periodic checkpoints still store "
+        "and upload only the chunks that changed",
+    ),
+)
+
+
+def criu_features(path: str) -> dict[str, dict[str, Any]]:
+    """Each of CRIU_FEATURES: whether this kernel and CRIU have it, and what that means."""
+    out: dict[str, dict[str, Any]] = {}
+    for feature, key, with_it, without_it in CRIU_FEATURES:
+        code, _ = _run([path, "check", "--feature", feature])
+        out[key] = {"available": code == 0, "meaning": with_it if code == 0 else without_it}
+    return out
 
 
 def check_runc() -> dict[str, Any]:
@@ -120,6 +150,8 @@ def run_doctor(args: argparse.Namespace) -> int:
             mark = "ok  " if item["ok"] else "FAIL"
             detail = item.get("problem") or item.get("version") or item.get("note") or ""
             sys.stdout.write(f"{mark}  {name:<6} {item.get('path', '')}  {detail}\n")
+        for feature in (report["criu"].get("features") or {}).values():
+            sys.stdout.write(f"      criu   {feature['meaning']}\n")
         gpu = report["gpu"]
         devices = gpu.get("devices") or []
         if devices:
