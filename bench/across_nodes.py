@@ -275,6 +275,8 @@ def stop_timeline(records: list[dict[str, Any]], cid: str, t0_wall: float) -> di
         "checkpoint": checkpoint,
         "raw_bytes": committed[0].get("size"),
         "committed_after_s": seconds_after(committed[0], t0_wall),
+        # CRIU's own figure (stats-dump): how long the container was frozen for it
+        "criu_frozen_s": (committed[0].get("criu") or {}).get("frozen_s"),
     }
     for rec in records:
         if rec.get("runc_verb") == "checkpoint" and rec.get("container_id") == cid:
@@ -539,6 +541,11 @@ def figures(runs: list[dict[str, Any]]) -> dict[str, Summary]:
         "new_chunks": summarize([sum("@" in w for w in r["new_blobs"]) for r in runs]),
         "uploaded_first_mib": col("stop_registry", "uploaded_bytes", MIB),
         "uploaded_second_mib": col("stop_after_rewrite", "uploaded_bytes", MIB),
+        # Blobs are content-addressed: the 2nd checkpoint's new blobs are all it added to
+        # A's store as well as to the registry.
+        "new_blobs_second_mib": summarize([sum(r["new_blobs"].values()) / MIB for r in runs]),
+        "frozen_first_s": col("stop_registry", "criu_frozen_s"),
+        "frozen_second_s": col("stop_after_rewrite", "criu_frozen_s"),
         "delta_ratio": summarize([float(r["delta_ratio"]) for r in runs]),
     }
     return out
@@ -602,6 +609,11 @@ def print_figures(f: dict[str, Summary], verdicts: dict[str, tuple[float, float]
          cell(f["uploaded_second_mib"], "", 0), "", "", ""],
         ["    new page-image chunks in the 2nd", cell(f["new_chunks"], "", 0), "", "",
          "(per run: see its line)", ""],
+        ["    new blobs of the 2nd (store, registry), MiB",
+         cell(f["new_blobs_second_mib"], "", 1),
+         "", "", "", ""],
+        ["    CRIU frozen time: 1st / 2nd (no dirty tracking)", cell(f["frozen_first_s"], "s", 3),
+         cell(f["frozen_second_s"], "s", 3), "", "", ""],
     ]  # fmt: skip
     print_table(["measure", "registry side", "local side", "ratio", "target", "load 1m"], rows)
 
