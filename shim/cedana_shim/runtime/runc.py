@@ -476,24 +476,27 @@ class Runc:
                 bundle=opts.bundle,
                 env=_child_env(),
             )
+        running = self._run(
+            "restore",
+            id,
+            [*opts.args(), id],
+            inherit=_inherit(opts),
+            criu_log=log,
+            group_bundle=opts.bundle,
+            group=None if daemon is None else daemon.group,
+        )
         try:
-            await self._run(
-                "restore",
-                id,
-                [*opts.args(), id],
-                inherit=_inherit(opts),
-                criu_log=log,
-                group_bundle=opts.bundle,
-                group=None if daemon is None else daemon.group,
-            )
+            if daemon is None:
+                await running
+            else:
+                await _beside(daemon, running)
         except BaseException as failure:
+            cause: BaseException | None = None
             if daemon is not None:
                 died = daemon.exit_status()  # on its own, before anything of ours killed it
                 await _to_completion(daemon.abandon())
                 if died and isinstance(failure, RuncError):
-                    raise daemon.failed(f"exited with status {died} under runc restore") from (
-                        failure
-                    )
+                    cause = daemon.failed(f"exited with status {died} under runc restore")
             # A runc that was killed never unmounted the rootfs it bound for CRIU (a
             # `runc delete` would then remove the state dir through that mount), nor
             # did a killed CRIU unmount its cgroup yard in the work dir.
@@ -507,6 +510,8 @@ class Runc:
                         unmounted.exception(),
                         extra={"container_id": id},
                     )
+            if cause is not None:
+                raise cause from failure
             raise
         finally:
             if daemon is None:
@@ -694,6 +699,30 @@ async def _to_completion(work: Awaitable[T]) -> asyncio.Future[T]:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(done)
     return done
+
+
+async def _beside(daemon: PagesDaemon, running: Awaitable[bytes]) -> None:
+    """``runc restore`` while the lazy-pages daemon serves it. A daemon that fails first
+    leaves CRIU's failure path stuck (seen with CRIU 4.2: it waits forever for tasks
+    that run on regardless), so runc's group (CRIU and the tasks under it) is killed at
+    once and the daemon named as the cause."""
+    restoring = asyncio.ensure_future(running)
+    exited = asyncio.ensure_future(daemon.child.wait())
+    try:
+        await asyncio.wait([restoring, exited], return_when=asyncio.FIRST_COMPLETED)
+        status = exited.result().status if exited.done() else 0
+        if restoring.done() or status == 0:  # exit 0: all in already, runc yet to return
+            await restoring
+            return
+    except BaseException:
+        restoring.cancel()
+        await _to_completion(restoring)
+        raise
+    finally:
+        exited.cancel()
+    restoring.cancel()
+    await _to_completion(restoring)
+    raise daemon.failed(f"exited with status {status} during the restore")
 
 
 def _record_group(bundle: str, pid: int, verb: str, id: str) -> int | None:
