@@ -19,10 +19,13 @@ test_checkpoint_faults.py for why those two).
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -201,6 +204,60 @@ def test_a_failing_lazy_path_falls_back_to_an_eager_restore_of_the_same_checkpoi
         assert lazy_daemons(shim_pid(c, b)) == set()
 
 
+@dataclass
+class HeldRestore:
+    """A lazy restore whose daemon was stopped once the tasks resumed (mode freeze)."""
+
+    cid: str
+    run: subprocess.Popen[str]  # the `ctr run -d`, waiting for Start
+    shim: int
+    daemons: set[int]  # the wrapper and the real daemon
+    restored: set[int]  # the restored tasks
+
+
+def held_restore(c: Containerd, w: Workloads, events: EventStream, new_id: NewId) -> HeldRestore:
+    checkpointed(w, events)
+    cid = new_id("b")
+    b = Box(cid, w.logs / f"{cid}.log")
+    w.started.append(b)
+    run = w.ctr.popen(
+        *w.ctr.run_args(
+            c.images.busybox, cid, "sh", "-c", w.script,
+            flags=("-d", "--env", f"CEDANA_CHECKPOINT={w.label}",
+                   "--log-uri", f"file://{b.out}"),
+        )
+    )  # fmt: skip
+    shims: set[int] = wait_for(
+        lambda: found if len(found := c.shim_pids(CTR_NAMESPACE, cid)) == 1 else None,
+        timeout=30,
+        what="b's one shim daemon",
+    )
+    (shim,) = shims
+    daemons: set[int] = wait_for(
+        lambda: lazy_daemons(shim), timeout=60, what="the lazy-pages daemon"
+    )
+    restored: set[int] = wait_for(
+        lambda: {p for p in procs.descendants(shims) if _is_workload(p)},
+        timeout=60,
+        what="the restored tasks",
+    )
+    time.sleep(0.5)
+    assert run.poll() is None, (
+        "ctr run returned: the daemon brought all the memory in before the wrapper could "
+        "stop it (a faster machine: give the workload more memory)"
+    )
+    return HeldRestore(cid, run, shim, daemons | lazy_daemons(shim), restored)
+
+
+def all_gone(held: HeldRestore) -> None:
+    left = held.daemons | held.restored
+    wait_for(
+        lambda: not any(procs.pid_alive(p) for p in left),
+        timeout=10,
+        what=f"the daemon {held.daemons} and the tasks {held.restored} to be gone",
+    )
+
+
 def test_kill_while_the_pages_arrive_leaves_no_process_behind(
     make_node: MakeNode, new_id: NewId, tmp_path: Path
 ) -> None:
@@ -214,44 +271,30 @@ def test_kill_while_the_pages_arrive_leaves_no_process_behind(
         workloads(c, new_id, "freeze", mem_kib=4 * MEM_KIB) as w,
         TaskKiller(c.socket, CTR_NAMESPACE) as tasks,
     ):
-        checkpointed(w, events)
-        cid = new_id("b")
-        b = Box(cid, w.logs / f"{cid}.log")
-        w.started.append(b)
-        run = w.ctr.popen(
-            *w.ctr.run_args(
-                c.images.busybox, cid, "sh", "-c", w.script,
-                flags=("-d", "--env", f"CEDANA_CHECKPOINT={w.label}",
-                       "--log-uri", f"file://{b.out}"),
-            )
-        )  # fmt: skip
-        shims: set[int] = wait_for(
-            lambda: c.shim_pids(CTR_NAMESPACE, cid), timeout=30, what="b's shim"
-        )
-        daemons: set[int] = wait_for(
-            lambda: lazy_daemons(*shims), timeout=60, what="the lazy-pages daemon"
-        )
-        restored: set[int] = wait_for(
-            lambda: {p for p in procs.descendants(shims) if _is_workload(p)},
-            timeout=60,
-            what="the restored tasks",
-        )
-        time.sleep(0.5)
-        assert run.poll() is None, (
-            "ctr run returned: the daemon brought all the memory in before the wrapper "
-            "could stop it (a faster machine: give the workload more memory)"
-        )
-        tasks.kill(cid, signal.SIGKILL, timeout=10)
-        exited = events.wait_topic(TOPIC_EXIT, cid, timeout=30)
+        held = held_restore(c, w, events, new_id)
+        tasks.kill(held.cid, signal.SIGKILL, timeout=10)
+        exited = events.wait_topic(TOPIC_EXIT, held.cid, timeout=30)
         assert exited.field("exit_status") == 137, exited
-        run.communicate(timeout=60)
-        left = daemons | restored
-        wait_for(
-            lambda: not any(procs.pid_alive(p) for p in left),
-            timeout=10,
-            what=f"the daemon {daemons} and the tasks {restored} to be gone",
-        )
-        assert lazy_daemons(*shims) == set()
+        held.run.communicate(timeout=60)
+        all_gone(held)
+        assert lazy_daemons(held.shim) == set()
+
+
+def test_a_shim_killed_while_the_pages_arrive_is_cleaned_up_by_delete(
+    make_node: MakeNode, new_id: NewId, tmp_path: Path
+) -> None:
+    """The daemon outlives a SIGKILLed shim (it is the tasks' memory); containerd's
+    `delete` finds its process group in the bundle and kills the tasks, then it."""
+    c = lazy_node(make_node, tmp_path, "freeze")
+    with (
+        EventStream(c.socket) as events,
+        workloads(c, new_id, "shimkill", mem_kib=4 * MEM_KIB) as w,
+    ):
+        held = held_restore(c, w, events, new_id)
+        os.kill(held.shim, signal.SIGKILL)
+        held.run.communicate(timeout=60)
+        all_gone(held)
+        w.ctr.remove(held.cid)
 
 
 def _is_workload(pid: int) -> bool:
