@@ -80,6 +80,7 @@ TARGET_S = 1.0  # 4 GiB running again within a second (issue 15)
 TARGET_MIB = 4096
 FILL_TIMEOUT = 900.0  # memory never touched before is very slow on this VM
 RESTORE_TIMEOUT = 600.0
+VERIFY_TIMEOUT = 300.0  # memhog checks its memory (every page read) once it runs again
 RESTORE_GAP = 1.5  # memhog re-verifies only after a clock jump of over a second
 POLL = 0.002
 MIB = 1 << 20
@@ -179,7 +180,7 @@ class Timeline:
                 raise BenchFailure(f"restore not done after {RESTORE_TIMEOUT:.0f}s: {out}")
             time.sleep(POLL)
         out["beat_before"] = baseline.count if baseline else None
-        line = wait("memhog's verify line", lambda: verify_lines(self.verify), RESTORE_TIMEOUT)
+        line = wait("memhog's verify line", lambda: verify_lines(self.verify), VERIFY_TIMEOUT)
         out["verified_s"] = self.since()
         out["verify"] = line[-1]
         if " ok " not in line[-1]:
