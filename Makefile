@@ -75,3 +75,4 @@ bench:
 	$(BIN)/python bench/shim_memory.py $(BENCH_ARGS) --out bench/results/shim_memory.json
 	$(BIN)/python bench/checkpoint_restore.py $(BENCH_ARGS) --out bench/results/checkpoint_restore.json
 	$(BIN)/python bench/across_nodes.py $(BENCH_ARGS) --out bench/results/across_nodes.json
+	$(BIN)/python bench/restore_scaling.py $(BENCH_ARGS) --out bench/results/restore_scaling.json
