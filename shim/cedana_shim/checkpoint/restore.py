@@ -99,8 +99,10 @@ class RestoreRequest:
     file_locks: bool
     ext_unix_sk: bool = True
     # Memory through CRIU's lazy-pages daemon (node config lazy_restore): the tasks run
-    # before all of it is in; restore_images returns once it is.
+    # before all of it is in; restore_images returns once it is, and calls resumed()
+    # as soon as they run.
     lazy_pages: bool = False
+    resumed: Callable[[], None] = lambda: None
 
 
 class RestoreHost(Protocol):
@@ -705,10 +707,11 @@ class RestoreSession:
             ),
         )
         lazy = self._lazy(plan)
+        resumed = asyncio.Event()
         checking = None
         if plan.raw:
             checking = asyncio.get_running_loop().create_task(
-                self._check_raw(plan, verdict, lazy=lazy)
+                self._check_raw(plan, verdict, resumed if lazy else None)
             )
         request = RestoreRequest(
             image_dir=plan.image_dir,
@@ -716,6 +719,7 @@ class RestoreSession:
             tcp_established=plan.keep_tcp and self.config.tcp_established,
             file_locks=self.config.file_locks,
             lazy_pages=lazy,
+            resumed=resumed.set,
         )
         try:
             try:
@@ -734,6 +738,7 @@ class RestoreSession:
         except BaseException as failure:
             if checking is not None:
                 # CRIU failing at the gate is the check's doing: say so (the blob is next).
+                resumed.set()  # a lazy attempt's pages are checked all the same
                 try:
                     await checking
                 except RawImagesBad as bad:
@@ -745,17 +750,20 @@ class RestoreSession:
             await checking  # RawImagesBad: whatever CRIU made of them must not run
         return pid
 
-    async def _check_raw(self, plan: Plan, verdict: str, *, lazy: bool) -> None:
-        """The raw images' checksums, and the gate's verdict on them. Lazily restored,
-        the tasks resume before the daemon reads their memory pages: the verdict is on
-        the other images, and the pages are checked after it (the restore is not done
-        until they pass; :func:`_restore_checked`)."""
+    async def _check_raw(self, plan: Plan, verdict: str, resumed: asyncio.Event | None) -> None:
+        """The raw images' checksums, and the gate's verdict on them. Lazily restored
+        (``resumed`` given), the tasks resume before the daemon reads their memory pages:
+        the verdict is on the other images, and the pages are checked once the tasks
+        run (the restore is not done until they pass; :func:`_restore_checked`), so
+        that the check's CPU and reads stay off the way to the tasks' first
+        instruction."""
         try:
-            if lazy:
+            if resumed is not None:
                 await asyncio.to_thread(
                     self.store.verify_raw, plan.entry, CRIU_LAYER, only=_not_pages
                 )
                 criu_config.give_verdict(verdict, ok=True)
+                await resumed.wait()
                 await asyncio.to_thread(self.store.verify_raw, plan.entry, CRIU_LAYER, only=_pages)
                 return
             await asyncio.to_thread(self.store.verify_raw, plan.entry, CRIU_LAYER)

@@ -151,6 +151,7 @@ class JobHost:
         try:
             self.pid = read_pid_file(self._pid_file())
             if pages is not None:
+                request.resumed()
                 await pages.wait()  # every page in (cancelled: the tasks are killed first)
         except BaseException:
             if pages is not None:

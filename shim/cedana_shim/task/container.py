@@ -291,6 +291,7 @@ class Container:
             self.init.pid = read_pid_file(self._pid_file())
             self._load_cgroup()
             for daemon in pages:
+                request.resumed()
                 await daemon.wait()  # cancelled (a Kill), it stops the tasks, then itself
         except BaseException:
             for daemon in pages:
