@@ -369,15 +369,33 @@ def test_delete_kills_a_restore_left_by_a_dead_daemon_before_runc_delete(
     assert out  # the DeleteResponse
     assert not group_members(group.pid)
     assert group.wait(5) == -signal.SIGKILL
-    root = str(tmp_path / "runc-root")
-    # The tasks are killed while the group is frozen (a lazy restore's daemon is their
-    # memory), then the group, then runc delete.
+    assert calls.read_text().splitlines() == [
+        f"--root {tmp_path / 'runc-root'} delete --force c1 group-stopped=no group-alive=no",
+    ]
+    assert read_criu_group(str(bundle)) is None
+    assert "restore" not in err, err
+
+
+def test_delete_kills_a_lazy_restores_tasks_while_its_daemon_is_frozen(
+    tmp_path: Path, group: subprocess.Popen[bytes], capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    """A lazy restore's daemon holds its tasks' memory: they are killed while it is
+    stopped, then it, then runc delete."""
+    leader_start = start_time(group.pid)
+    assert leader_start is not None
+    bundle, calls = _delete_bundle(tmp_path, pgid=group.pid)
+    mark_criu_group(str(bundle), group.pid, leader_start, lazy=True)
+    assert read_criu_group(str(bundle)) == (group.pid, leader_start)
+
+    _run_delete(bundle, capsysbinary)
+
+    assert not group_members(group.pid)
+    root = tmp_path / "runc-root"
     assert calls.read_text().splitlines() == [
         f"--root {root} kill --all c1 9 group-stopped=yes group-alive=yes",
         f"--root {root} delete --force c1 group-stopped=no group-alive=no",
     ]
     assert read_criu_group(str(bundle)) is None
-    assert "restore" not in err, err
 
 
 def test_delete_spares_a_process_that_reused_the_recorded_pid(

@@ -28,6 +28,7 @@ from ..bundle_state import (
     BundleState,
     clear_criu_group,
     clear_stopping,
+    criu_group_is_lazy,
     criu_root,
     read_criu_group,
     read_deleted,
@@ -135,11 +136,10 @@ def _stop_criu(state: BundleState, bundle: str, container_id: str) -> None:
     from ..runtime.pgroup import is_same_group, kill_criu_group
 
     pgid, leader_start = record
-    if is_same_group(pgid, leader_start):
+    if criu_group_is_lazy(bundle) and is_same_group(pgid, leader_start):
         # A lazy-pages daemon is its restored tasks' memory: once it dies their pages not
         # yet in read as zeros. So the group is frozen, the tasks (done restoring: runc
-        # knows them) killed, and only then the group; for any other restore or dump the
-        # kill finds no container, or one being deleted anyway.
+        # knows them) killed, and only then the group.
         _kill_tasks_first(state, pgid, container_id)
     if kill_criu_group(pgid, leader_start, CRIU_KILL_TIMEOUT):
         clear_criu_group(bundle)

@@ -144,7 +144,7 @@ class PagesDaemon:
             stderr_fd = -1  # the daemon's now
             if leader_start is not None:
                 try:
-                    mark_criu_group(bundle, child.pid, leader_start)
+                    mark_criu_group(bundle, child.pid, leader_start, lazy=True)
                 except OSError as err:
                     logger.warning(
                         "cannot record the lazy-pages daemon's process group in %s: %s",
