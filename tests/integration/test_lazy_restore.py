@@ -227,15 +227,19 @@ def held_restore(c: Containerd, w: Workloads, events: EventStream, new_id: NewId
                    "--log-uri", f"file://{b.out}"),
         )
     )  # fmt: skip
-    shims: set[int] = wait_for(
-        lambda: found if len(found := c.shim_pids(CTR_NAMESPACE, cid)) == 1 else None,
-        timeout=30,
-        what="b's one shim daemon",
+
+    def serving() -> tuple[set[int], set[int]] | None:
+        """(the shim daemon, its lazy-pages processes); the socket is briefly `start`'s
+        before the daemon takes it over."""
+        shims = c.shim_pids(CTR_NAMESPACE, cid)
+        daemons = lazy_daemons(*shims)
+        return (shims, daemons) if len(shims) == 1 and daemons else None
+
+    found: tuple[set[int], set[int]] = wait_for(
+        serving, timeout=60, what="b's shim daemon and its lazy-pages daemon"
     )
+    shims, daemons = found
     (shim,) = shims
-    daemons: set[int] = wait_for(
-        lambda: lazy_daemons(shim), timeout=60, what="the lazy-pages daemon"
-    )
     restored: set[int] = wait_for(
         lambda: {p for p in procs.descendants(shims) if _is_workload(p)},
         timeout=60,
