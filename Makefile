@@ -77,3 +77,4 @@ bench:
 	$(BIN)/python bench/checkpoint_restore.py $(BENCH_ARGS) --out bench/results/checkpoint_restore.json
 	$(BIN)/python bench/across_nodes.py $(BENCH_ARGS) --out bench/results/across_nodes.json
 	$(BIN)/python bench/slurm_launch.py --out bench/results/slurm_launch.json
+	$(BIN)/python bench/restore_scaling.py $(BENCH_ARGS) --out bench/results/restore_scaling.json

@@ -10,7 +10,8 @@ importing ``json`` on that hot path:
 - ``cedana-deleted``: the daemon deleted the container itself; nothing is left.
 - ``cedana-criu-group`` (while ``runc restore`` or ``runc checkpoint`` runs): its
   process group (runc, CRIU, CRIU's action scripts), which ``delete`` kills if the
-  daemon died mid-operation.
+  daemon died mid-operation; for a lazy restore, until its lazy-pages daemon exits:
+  that daemon's group, marked ``lazy`` (its tasks are killed before it).
 """
 
 from __future__ import annotations
@@ -99,18 +100,19 @@ def criu_root(runc_root: str, container_id: str) -> str:
     return os.path.join(runc_root, container_id, CRIU_ROOT)
 
 
-def mark_criu_group(bundle: str, pgid: int, leader_start: int) -> None:
+def mark_criu_group(bundle: str, pgid: int, leader_start: int, *, lazy: bool = False) -> None:
     """A ``runc restore`` or ``runc checkpoint`` runs in process group ``pgid``, led by
     the process that started at ``leader_start`` (clock ticks after boot,
     /proc/<pid>/stat field 22).
 
     If the daemon dies, runc and CRIU go on outside containerd (a CRIU holding the
     container's tasks keeps them from dying); ``delete`` reads this to stop them.
-    The start time keeps a reused pid from being killed.
+    The start time keeps a reused pid from being killed. ``lazy``: the group is a lazy
+    restore's lazy-pages daemon, which holds the restored tasks' memory.
     """
     tmp = os.path.join(bundle, f".{CRIU_GROUP_MARK}.tmp")
     with open(tmp, "w") as f:
-        f.write(f"{pgid} {leader_start}\n")
+        f.write(f"{pgid} {leader_start}{' lazy' if lazy else ''}\n")
     os.rename(tmp, os.path.join(bundle, CRIU_GROUP_MARK))
 
 
@@ -119,10 +121,19 @@ def read_criu_group(bundle: str) -> tuple[int, int] | None:
     :func:`mark_criu_group` wrote."""
     try:
         with open(os.path.join(bundle, CRIU_GROUP_MARK)) as f:
-            pgid, start = f.read().split()
+            pgid, start, *_ = f.read().split()
         return int(pgid), int(start)
     except (OSError, ValueError):
         return None
+
+
+def criu_group_is_lazy(bundle: str) -> bool:
+    """Is the recorded group a lazy restore's lazy-pages daemon?"""
+    try:
+        with open(os.path.join(bundle, CRIU_GROUP_MARK)) as f:
+            return f.read().split()[2:] == ["lazy"]
+    except OSError:
+        return False
 
 
 def clear_criu_group(bundle: str) -> None:

@@ -36,6 +36,9 @@ class NodeConfig:
     checkpoint_interval: str = ""
     checkpoint_timeout: float = 600.0  # seconds a checkpoint (GPU + CRIU + commit) may take
     restore_timeout: float = 600.0
+    # Restore through CRIU's lazy-pages daemon: the tasks run as soon as everything but
+    # their memory is restored, the memory follows (README, "Node configuration").
+    lazy_restore: bool = False
     # How long a restore waits for a checkpoint of its label that is still being
     # written (a stop in flight on this node) before it picks from what is committed.
     label_wait_timeout: float = 120.0

@@ -177,6 +177,7 @@ class TaskEnv:
             root=self.fake.root,
             log_path=os.path.join(bundle, "log.json"),
             binary=self.fake.binary,
+            criu=self.fake.criu if self.config.lazy_restore else None,
         )
 
     # -- bundles -----------------------------------------------------------------

@@ -314,18 +314,23 @@ def test_a_cancelled_operation_takes_its_whole_group_down(
 # -- delete -------------------------------------------------------------------------------
 
 FAKE_RUNC_DELETE = r"""#!{python}
-# Records its arguments and whether a live process was left in the restore's group.
+# Records its arguments, whether the restore's group was all stopped and whether a live
+# process was left in it.
 import os, sys
 
 alive = False
+stopped = True
 for entry in filter(str.isdigit, os.listdir("/proc")):
     try:
         fields = open(f"/proc/{{entry}}/stat").read().rsplit(")", 1)[1].split()
     except OSError:
         continue
-    alive = alive or (int(fields[2]) == {pgid} and fields[0] not in ("Z", "X"))
+    if int(fields[2]) == {pgid} and fields[0] not in ("Z", "X"):
+        alive = True
+        stopped = stopped and fields[0] in ("T", "t")
 with open({calls!r}, "a") as f:
-    f.write(" ".join(sys.argv[1:]) + f" group-alive={{'yes' if alive else 'no'}}\n")
+    f.write(" ".join(sys.argv[1:]) + f" group-stopped={{'yes' if alive and stopped else 'no'}}"
+            f" group-alive={{'yes' if alive else 'no'}}\n")
 sys.stderr.write("container does not exist\n")
 sys.exit(1)
 """
@@ -364,16 +369,33 @@ def test_delete_kills_a_restore_left_by_a_dead_daemon_before_runc_delete(
     assert out  # the DeleteResponse
     assert not group_members(group.pid)
     assert group.wait(5) == -signal.SIGKILL
-    assert calls.read_text().split() == [
-        "--root",
-        str(tmp_path / "runc-root"),
-        "delete",
-        "--force",
-        "c1",
-        "group-alive=no",
+    assert calls.read_text().splitlines() == [
+        f"--root {tmp_path / 'runc-root'} delete --force c1 group-stopped=no group-alive=no",
     ]
     assert read_criu_group(str(bundle)) is None
     assert "restore" not in err, err
+
+
+def test_delete_kills_a_lazy_restores_tasks_while_its_daemon_is_frozen(
+    tmp_path: Path, group: subprocess.Popen[bytes], capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    """A lazy restore's daemon holds its tasks' memory: they are killed while it is
+    stopped, then it, then runc delete."""
+    leader_start = start_time(group.pid)
+    assert leader_start is not None
+    bundle, calls = _delete_bundle(tmp_path, pgid=group.pid)
+    mark_criu_group(str(bundle), group.pid, leader_start, lazy=True)
+    assert read_criu_group(str(bundle)) == (group.pid, leader_start)
+
+    _run_delete(bundle, capsysbinary)
+
+    assert not group_members(group.pid)
+    root = tmp_path / "runc-root"
+    assert calls.read_text().splitlines() == [
+        f"--root {root} kill --all c1 9 group-stopped=yes group-alive=yes",
+        f"--root {root} delete --force c1 group-stopped=no group-alive=no",
+    ]
+    assert read_criu_group(str(bundle)) is None
 
 
 def test_delete_spares_a_process_that_reused_the_recorded_pid(

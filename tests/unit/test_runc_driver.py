@@ -276,7 +276,6 @@ def test_checkpoint_and_restore_argv(fake: Fake) -> None:
                 file_locks=True,
                 empty_ns=("network",),
                 manage_cgroups_mode="full",
-                lazy_pages=True,
                 lsm_profile="apparmor:x",
             ),
         )
@@ -295,7 +294,7 @@ def test_checkpoint_and_restore_argv(fake: Fake) -> None:
     restore = [
         "--image-path", "/img", "--work-path", "/work", "--tcp-established",
         "--ext-unix-sk", "--shell-job", "--file-locks", "--empty-ns", "network",
-        "--manage-cgroups-mode", "full", "--lazy-pages", "--lsm-profile", "apparmor:x",
+        "--manage-cgroups-mode", "full", "--lsm-profile", "apparmor:x",
         "--detach", "--pid-file", f"{b}/init.pid", "--console-socket", "/c.sock",
         "--no-pivot", "--no-subreaper", "--bundle", b,
     ]

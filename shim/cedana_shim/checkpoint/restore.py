@@ -11,10 +11,15 @@
 2. ``run`` (at Start): prerestore hooks (a failing one vetoes the candidate), CRIU
    restore through the container (raw images are checked while CRIU reads them;
    a gate holds the restored tasks until the verdict), the GPU state back,
-   postrestore hooks.
+   postrestore hooks. With ``lazy_restore`` CRIU leaves the memory to its lazy-pages
+   daemon: the tasks run before their pages are in, so the gate waits only for the
+   other images, and the pages (``pages-*.img``) are checked while the daemon serves
+   them; the restore is done once both are through, and given up (the tasks killed)
+   the moment either fails.
 3. Any failure: record why, undo the attempt, put the rootfs back, prepare the
    next candidate. Raw images that fail their check are discarded and the same
-   checkpoint is tried again from its blob when it has one.
+   checkpoint is tried again from its blob when it has one; a lazy attempt that
+   fails otherwise is tried again at once, eagerly.
 4. No candidate left: a cold start.
 
 A restore by hand (``CEDANA_RESTORE``, see policy.py) has one candidate: the
@@ -93,6 +98,11 @@ class RestoreRequest:
     tcp_established: bool
     file_locks: bool
     ext_unix_sk: bool = True
+    # Memory through CRIU's lazy-pages daemon (node config lazy_restore): the tasks run
+    # before all of it is in; restore_images returns once it is, and calls resumed()
+    # as soon as they run.
+    lazy_pages: bool = False
+    resumed: Callable[[], None] = lambda: None
 
 
 class RestoreHost(Protocol):
@@ -113,7 +123,9 @@ class RestoreHost(Protocol):
         ...
 
     async def restore_images(self, request: RestoreRequest) -> int:
-        """``runc restore`` from the images; the new init's pid."""
+        """``runc restore`` from the images; the new init's pid. With
+        ``request.lazy_pages``, returned once the tasks have all their memory;
+        cancelled, it kills them before anything else."""
         ...
 
     async def pids(self) -> Sequence[int]: ...
@@ -164,6 +176,7 @@ class RestoreReport:
     store_problem: str = ""  # the store could not be read: started cold because of it
     requested: str = ""  # restore by hand: the id or prefix asked for
     failed: str = ""  # restore by hand refused: the error the Create or Start failed with
+    memory: str = ""  # how the restored memory came back: "lazy" or "eager" ("" for cold)
     clock: PhaseClock = field(default_factory=_restore_clock, repr=False)
     total: float = 0.0  # seconds spent restoring (at Create and at Start), phases and all
 
@@ -242,6 +255,7 @@ class RestoreSession:
         self._digest: str | None = policy.image_digest or None
         self._remaining: list[Entry | RemoteCheckpoint] = []
         self._raw_refused: set[str] = set()  # ids whose raw images failed their check
+        self._eager_only: set[str] = set()  # ids whose lazy restore failed
         self._refusal: type[ShimError] | None = None  # a restore by hand's error class
         self._refused: tuple[str, str] | None = None  # and its (checkpoint, why)
         self._since = time.monotonic()  # when prepare or run began (RestoreReport.total)
@@ -608,11 +622,18 @@ class RestoreSession:
                     self._raw_refused.add(retry.id)
                     self._remaining.insert(0, retry)
             except (ShimError, OSError) as err:
-                kind = _kind(err, FailedPrecondition)
-                self._refuse(kind, plan.entry.id, f"restore failed: {err}")
+                if self._lazy(plan):
+                    # The lazy path (the daemon, userfaultfd) may be all that failed.
+                    self._skip(plan.entry.id, f"lazy restore failed, restoring eagerly: {err}")
+                    self._eager_only.add(plan.entry.id)
+                    self._remaining.insert(0, plan.entry)
+                else:
+                    kind = _kind(err, FailedPrecondition)
+                    self._refuse(kind, plan.entry.id, f"restore failed: {err}")
                 await host.discard_attempt()
             else:
                 self.result.checkpoint_id = plan.entry.id
+                self.result.memory = "lazy" if self._lazy(plan) else "eager"
                 await asyncio.to_thread(self._record, plan.entry)
                 self._finish()
                 return pid
@@ -689,6 +710,10 @@ class RestoreSession:
             )
         return pid
 
+    def _lazy(self, plan: Plan) -> bool:
+        """Restore ``plan`` through CRIU's lazy-pages daemon?"""
+        return self.config.lazy_restore and plan.entry.id not in self._eager_only
+
     async def _restore(self, host: RestoreHost, plan: Plan) -> int:
         gate = verdict = ""
         if plan.raw:
@@ -702,19 +727,25 @@ class RestoreSession:
                 self.config, keep_tcp=plan.keep_tcp, gate=gate, netns_setup=netns_setup
             ),
         )
+        lazy = self._lazy(plan)
+        resumed = asyncio.Event()
         checking = None
         if plan.raw:
-            checking = asyncio.get_running_loop().create_task(self._check_raw(plan, verdict))
+            checking = asyncio.get_running_loop().create_task(
+                self._check_raw(plan, verdict, resumed if lazy else None)
+            )
         request = RestoreRequest(
             image_dir=plan.image_dir,
             work_dir=plan.work_dir,
             tcp_established=plan.keep_tcp and self.config.tcp_established,
             file_locks=self.config.file_locks,
+            lazy_pages=lazy,
+            resumed=resumed.set,
         )
         try:
             try:
                 async with asyncio.timeout(self.config.restore_timeout):
-                    pid = await host.restore_images(request)
+                    pid = await _restore_checked(host, request, checking)
             except TimeoutError:
                 raise DeadlineExceeded(
                     f"CRIU did not finish within restore_timeout ({self.config.restore_timeout:g}s)"
@@ -728,6 +759,7 @@ class RestoreSession:
         except BaseException as failure:
             if checking is not None:
                 # CRIU failing at the gate is the check's doing: say so (the blob is next).
+                resumed.set()  # a lazy attempt's pages are checked all the same
                 try:
                     await checking
                 except RawImagesBad as bad:
@@ -739,8 +771,22 @@ class RestoreSession:
             await checking  # RawImagesBad: whatever CRIU made of them must not run
         return pid
 
-    async def _check_raw(self, plan: Plan, verdict: str) -> None:
+    async def _check_raw(self, plan: Plan, verdict: str, resumed: asyncio.Event | None) -> None:
+        """The raw images' checksums, and the gate's verdict on them. Lazily restored
+        (``resumed`` given), the tasks resume before the daemon reads their memory pages:
+        the verdict is on the other images, and the pages are checked once the tasks
+        run (the restore is not done until they pass; :func:`_restore_checked`), so
+        that the check's CPU and reads stay off the way to the tasks' first
+        instruction."""
         try:
+            if resumed is not None:
+                await asyncio.to_thread(
+                    self.store.verify_raw, plan.entry, CRIU_LAYER, only=_not_pages
+                )
+                criu_config.give_verdict(verdict, ok=True)
+                await resumed.wait()
+                await asyncio.to_thread(self.store.verify_raw, plan.entry, CRIU_LAYER, only=_pages)
+                return
             await asyncio.to_thread(self.store.verify_raw, plan.entry, CRIU_LAYER)
         except BaseException as err:
             with contextlib.suppress(OSError):
@@ -777,6 +823,51 @@ def _kind(err: BaseException, otherwise: type[ShimError]) -> type[ShimError]:
         if issubclass(cls, ShimError) and cls.__module__ == ShimError.__module__:
             return cls
     return otherwise
+
+
+async def _restore_checked(
+    host: RestoreHost, request: RestoreRequest, checking: asyncio.Task[None] | None
+) -> int:
+    """``host.restore_images``; a lazy one given up (its tasks killed) as soon as the
+    raw images' check fails, since the tasks run by then. The check's own outcome is
+    the caller's to await."""
+    if checking is None or not request.lazy_pages:
+        return await host.restore_images(request)
+    restoring = asyncio.ensure_future(host.restore_images(request))
+    try:
+        await asyncio.wait([restoring, checking], return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:  # cancelled (a Kill, the deadline): the restore goes too
+        await _cancel(restoring)
+        raise
+    if not restoring.done():  # the check failed while the tasks run: kill them now
+        if await _cancel(restoring):
+            raise asyncio.CancelledError
+        checking.result()
+    return restoring.result()
+
+
+async def _cancel(task: asyncio.Future[Any]) -> bool:
+    """Cancel ``task`` and wait for its end (it kills what it started); True when the
+    caller was cancelled meanwhile."""
+    task.cancel()
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            cancelled = True
+    if not task.cancelled():
+        task.exception()  # retrieved: its failure is not news
+    return cancelled
+
+
+def _pages(path: str) -> bool:
+    """CRIU's memory pages (``pages-<n>.img``), which its lazy-pages daemon reads."""
+    return path.startswith("pages-") and path.endswith(".img") and "/" not in path
+
+
+def _not_pages(path: str) -> bool:
+    return not _pages(path)
 
 
 def _discard_work(plan: Plan) -> None:

@@ -11,9 +11,11 @@ finish the restore on its own, after ``runc delete`` found nothing to delete
 (runc writes the container's state at the end of a restore), and the container
 would run outside containerd. So that restore is killed first: runc's process
 group (runc, CRIU, CRIU's scripts) and the tasks CRIU restored, which CRIU's
-death alone leaves behind (:mod:`cedana_shim.runtime.pgroup`). Then the rootfs
-runc bound for CRIU is unmounted, and only then does ``runc delete`` remove
-runc's state dir.
+death alone leaves behind (:mod:`cedana_shim.runtime.pgroup`). For a lazy
+restore the recorded group is CRIU's lazy-pages daemon, still bringing the
+restored tasks' memory in: it is frozen and the tasks killed before it dies
+(:mod:`cedana_shim.runtime.lazy_pages`). Then the rootfs runc bound for CRIU is
+unmounted, and only then does ``runc delete`` remove runc's state dir.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..bundle_state import (
     BundleState,
     clear_criu_group,
     clear_stopping,
+    criu_group_is_lazy,
     criu_root,
     read_criu_group,
     read_deleted,
@@ -95,12 +98,17 @@ def _run(argv: list[str], timeout: float) -> tuple[int, bytes]:
     return os.waitstatus_to_exitcode(status), err
 
 
-def _runc_delete(state: BundleState, container_id: str) -> str:
-    """``runc delete --force``; returns runc's complaint, if any, for the log."""
+def _runc_argv(state: BundleState) -> list[str]:
+    """runc and the global flags the daemon ran it with."""
     argv = [state.runc_binary, "--root", state.runc_root]
     if state.systemd_cgroup:
         argv.append("--systemd-cgroup")
-    argv += ["delete", "--force", container_id]
+    return argv
+
+
+def _runc_delete(state: BundleState, container_id: str) -> str:
+    """``runc delete --force``; returns runc's complaint, if any, for the log."""
+    argv = [*_runc_argv(state), "delete", "--force", container_id]
     try:
         code, stderr = _run(argv, RUNC_DELETE_TIMEOUT)
     except OSError as err:
@@ -119,14 +127,20 @@ def _read_pid(bundle: str) -> int:
         return 0
 
 
-def _stop_criu(bundle: str, container_id: str) -> None:
-    """Kill the ``runc restore`` or ``runc checkpoint`` a dead daemon left running."""
+def _stop_criu(state: BundleState, bundle: str, container_id: str) -> None:
+    """Kill the ``runc restore`` or ``runc checkpoint`` a dead daemon left running, or
+    the lazy-pages daemon of a lazy restore (which that group is then)."""
     record = read_criu_group(bundle)
     if record is None:
         return
-    from ..runtime.pgroup import kill_criu_group
+    from ..runtime.pgroup import is_same_group, kill_criu_group
 
     pgid, leader_start = record
+    if criu_group_is_lazy(bundle) and is_same_group(pgid, leader_start):
+        # A lazy-pages daemon is its restored tasks' memory: once it dies their pages not
+        # yet in read as zeros. So the group is frozen, the tasks (done restoring: runc
+        # knows them) killed, and only then the group.
+        _kill_tasks_first(state, pgid, container_id)
     if kill_criu_group(pgid, leader_start, CRIU_KILL_TIMEOUT):
         clear_criu_group(bundle)
         return
@@ -137,6 +151,19 @@ def _stop_criu(bundle: str, container_id: str) -> None:
     )
 
 
+def _kill_tasks_first(state: BundleState, pgid: int, container_id: str) -> None:
+    import signal
+
+    try:
+        os.killpg(pgid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return  # gone meanwhile: nothing is left to serve or to kill
+    try:
+        _run([*_runc_argv(state), "kill", "--all", container_id, "9"], RUNC_DELETE_TIMEOUT)
+    except OSError as err:
+        sys.stderr.write(f"container {container_id}: runc kill before its restore's: {err}\n")
+
+
 def _finish_stop(state: BundleState, bundle: str, container_id: str) -> None:
     """The daemon died while it checkpointed a stopping container, which it had frozen:
     with no durable checkpoint, the application gets its stop signal after all (and
@@ -144,9 +171,7 @@ def _finish_stop(state: BundleState, bundle: str, container_id: str) -> None:
     sig = read_stopping(bundle)
     if sig is None:
         return
-    runc = [state.runc_binary, "--root", state.runc_root]
-    if state.systemd_cgroup:
-        runc.append("--systemd-cgroup")
+    runc = _runc_argv(state)
     try:
         _run([*runc, "resume", container_id], RUNC_DELETE_TIMEOUT)
         _run([*runc, "kill", container_id, str(sig)], RUNC_DELETE_TIMEOUT)
@@ -202,7 +227,7 @@ def run_delete(args: ShimArgs) -> int:
         sys.stdout.flush()
         return 0
     state = BundleState.load(bundle, args.namespace)
-    _stop_criu(bundle, args.id)
+    _stop_criu(state, bundle, args.id)
     _finish_stop(state, bundle, args.id)
     # Before runc delete, which removes runc's state dir, through any mount in it.
     _unmount([criu_root(state.runc_root, args.id)], args.id)

@@ -14,7 +14,8 @@ decided here, and only here, by matching runc's message (containerd's
 
 ``restore`` runs runc in a process group of its own, recorded in the bundle, so
 that a restore can be stopped whole, by this driver or by ``delete`` after the
-daemon died (:mod:`.pgroup`).
+daemon died (:mod:`.pgroup`). A lazy restore (``RestoreOpts.lazy_pages``) starts
+CRIU's lazy-pages daemon first and runc joins the daemon's group (:mod:`.lazy_pages`).
 
 Longer than our usual module: the verbs share one invocation path (``_run``),
 error classification and the option dataclasses, and splitting them apart would
@@ -29,6 +30,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Awaitable
@@ -37,6 +39,7 @@ from typing import Any, Final, TypeVar
 
 from cedana_shim import errors
 from cedana_shim.bundle_state import clear_criu_group, criu_root, mark_criu_group
+from cedana_shim.runtime.lazy_pages import PagesDaemon
 from cedana_shim.runtime.pgroup import kill_criu_group, start_time
 from cedana_shim.runtime.reaper import KILL_GRACE_SECONDS, Child, Reaper
 from cedana_shim.runtime.unmount import unmount_all
@@ -448,24 +451,52 @@ class Runc:
             if bundle:
                 clear_criu_group(bundle)
 
-    async def restore(self, id: str, opts: RestoreOpts) -> None:
+    async def restore(self, id: str, opts: RestoreOpts) -> PagesDaemon | None:
         """``runc restore`` in a process group of its own (runc, CRIU and CRIU's action
         scripts), recorded in the bundle while it runs (see :mod:`.pgroup`): if this
         daemon dies, ``delete`` stops the restore instead of letting it finish outside
         containerd. Cancelled, the group and every task CRIU restored are SIGKILLed at
-        once (``kill_grace`` does not apply: runc ignores SIGTERM while it restores)."""
+        once (``kill_grace`` does not apply: runc ignores SIGTERM while it restores).
+
+        With ``opts.lazy_pages`` the group is that of a ``criu lazy-pages`` daemon
+        started first (:mod:`.lazy_pages`); it is returned once runc is done and the
+        tasks run, still bringing their memory in: the caller awaits its ``wait()``
+        (or ``abandon()``) before it calls the restore done. LazyPagesFailed when the
+        daemon cannot start or died under runc."""
         source = os.path.join(opts.work_path or opts.image_path, "restore.log")
         log = _CriuLog(source, os.path.join(opts.bundle, "criu-restore.log"), _stat_key(source))
-        try:
-            await self._run(
-                "restore",
-                id,
-                [*opts.args(), id],
-                inherit=_inherit(opts),
-                criu_log=log,
-                group_bundle=opts.bundle,
+        daemon = None
+        if opts.lazy_pages:
+            daemon = await PagesDaemon.start(
+                self.reaper,
+                criu=self.criu or "criu",
+                image_dir=opts.image_path,
+                work_dir=opts.work_path or opts.image_path,
+                container_id=id,
+                bundle=opts.bundle,
+                env=_child_env(),
             )
-        except BaseException:
+        running = self._run(
+            "restore",
+            id,
+            [*opts.args(), id],
+            inherit=_inherit(opts),
+            criu_log=log,
+            group_bundle=opts.bundle,
+            group=None if daemon is None else daemon.group,
+        )
+        try:
+            if daemon is None:
+                await running
+            else:
+                await _beside(daemon, running)
+        except BaseException as failure:
+            cause: BaseException | None = None
+            if daemon is not None:
+                died = daemon.exit_status()  # on its own, before anything of ours killed it
+                await _to_completion(daemon.abandon())
+                if died and isinstance(failure, RuncError):
+                    cause = daemon.failed(f"exited with status {died} under runc restore")
             # A runc that was killed never unmounted the rootfs it bound for CRIU (a
             # `runc delete` would then remove the state dir through that mount), nor
             # did a killed CRIU unmount its cgroup yard in the work dir.
@@ -479,9 +510,19 @@ class Runc:
                         unmounted.exception(),
                         extra={"container_id": id},
                     )
+            if cause is not None:
+                raise cause from failure
             raise
         finally:
-            clear_criu_group(opts.bundle)
+            if daemon is None:
+                clear_criu_group(opts.bundle)  # else the daemon's to clear, once it exits
+        if daemon is not None:
+            daemon.resumed(lambda: self._kill_restored(id))
+        return daemon
+
+    async def _kill_restored(self, id: str) -> None:
+        with contextlib.suppress(RuncNotFound):
+            await self.kill(id, signal.SIGKILL, all=True)
 
     async def _run(
         self,
@@ -494,16 +535,18 @@ class Runc:
         pass_fds: tuple[int, ...] = (),
         criu_log: _CriuLog | None = None,
         group_bundle: str | None = None,
+        group: tuple[int, int] | None = None,
     ) -> bytes:
         """Run ``runc <global flags> <verb> <args>``; runc's stdout, or a RuncError.
 
         With ``inherit`` the container gets those fds and runc's own output is
         not captured (it is the container's); otherwise stdout and stderr go to
         memfds. With ``group_bundle`` runc leads a process group of its own, which
-        is recorded in that bundle while runc runs (the caller clears the record).
+        is recorded in that bundle while runc runs (the caller clears the record), or
+        with ``group`` (pgid, leader start time) joins that one, recorded already.
         """
         argv = [self.binary, *self.global_args(), verb, *args]
-        env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+        env = _child_env()
         log_offset = self._log_size()
         own: list[int] = []
         out_fd: int | None = None
@@ -531,12 +574,12 @@ class Runc:
                     stderr=stderr,
                     pass_fds=pass_fds,
                     env=env,
-                    process_group=None if group_bundle is None else 0,
+                    process_group=_process_group(group_bundle, group),
                 )
             except OSError as err:
                 raise errors.Internal(f"cannot run {self.binary} {verb}: {err}") from err
-            leader_start = None
-            if group_bundle is not None:
+            pgid, leader_start = group or (child.pid, None)
+            if group_bundle is not None and group is None:
                 leader_start = _record_group(group_bundle, child.pid, verb, id)
             try:
                 ex = await child.wait()
@@ -544,7 +587,7 @@ class Runc:
                 if leader_start is None or verb == "checkpoint":
                     await self._reap_cancelled(child, verb, id)
                 if leader_start is not None:
-                    await self._kill_cancelled_group(child, verb, id, leader_start)
+                    await self._kill_cancelled_group(child, verb, id, pgid, leader_start)
                 raise
             elapsed = time.monotonic() - started
             logger.debug(
@@ -575,7 +618,7 @@ class Runc:
         raise classify(verb, ex.status, message)
 
     async def _kill_cancelled_group(
-        self, child: Child, verb: str, id: str, leader_start: int
+        self, child: Child, verb: str, id: str, pgid: int, leader_start: int
     ) -> None:
         """runc's group (CRIU, its scripts) and what CRIU restored, at once: a restoring
         runc ignores SIGTERM, and CRIU's death leaves the restored tasks stuck. Waits for
@@ -584,18 +627,18 @@ class Runc:
             "runc %s %s cancelled; killing what is left of process group %d",
             verb,
             id,
-            child.pid,
+            pgid,
             extra={"runc_verb": verb, "container_id": id},
         )
         killed = await _to_completion(
-            asyncio.to_thread(kill_criu_group, child.pid, leader_start, GROUP_KILL_TIMEOUT)
+            asyncio.to_thread(kill_criu_group, pgid, leader_start, GROUP_KILL_TIMEOUT)
         )
         if killed.cancelled() or killed.exception() is not None or not killed.result():
             logger.error(
                 "runc %s %s: process group %d still alive %gs after SIGKILL",
                 verb,
                 id,
-                child.pid,
+                pgid,
                 GROUP_KILL_TIMEOUT,
                 extra={"runc_verb": verb, "container_id": id},
             )
@@ -658,6 +701,30 @@ async def _to_completion(work: Awaitable[T]) -> asyncio.Future[T]:
     return done
 
 
+async def _beside(daemon: PagesDaemon, running: Awaitable[bytes]) -> None:
+    """``runc restore`` while the lazy-pages daemon serves it. A daemon that fails first
+    leaves CRIU's failure path stuck (seen with CRIU 4.2: it waits forever for tasks
+    that run on regardless), so runc's group (CRIU and the tasks under it) is killed at
+    once and the daemon named as the cause."""
+    restoring = asyncio.ensure_future(running)
+    exited = asyncio.ensure_future(daemon.child.wait())
+    try:
+        await asyncio.wait([restoring, exited], return_when=asyncio.FIRST_COMPLETED)
+        status = exited.result().status if exited.done() else 0
+        if restoring.done() or status == 0:  # exit 0: all in already, runc yet to return
+            await restoring
+            return
+    except BaseException:
+        restoring.cancel()
+        await _to_completion(restoring)
+        raise
+    finally:
+        exited.cancel()
+    restoring.cancel()
+    await _to_completion(restoring)
+    raise daemon.failed(f"exited with status {status} during the restore")
+
+
 def _record_group(bundle: str, pid: int, verb: str, id: str) -> int | None:
     """Record runc's process group in the bundle for ``delete`` (see :mod:`.pgroup`);
     the group leader's start time, None if it cannot be read."""
@@ -677,6 +744,17 @@ def _record_group(bundle: str, pid: int, verb: str, id: str) -> int | None:
             extra={"runc_verb": verb, "container_id": id},
         )
     return leader_start
+
+
+def _child_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+
+
+def _process_group(group_bundle: str | None, group: tuple[int, int] | None) -> int | None:
+    """Popen's process_group: none of its own, a new one (0), or the one to join."""
+    if group is not None:
+        return group[0]
+    return None if group_bundle is None else 0
 
 
 def _inherit(opts: CreateOpts | ExecOpts | RestoreOpts) -> Stdio | None:

@@ -132,7 +132,7 @@ class JobHost:
     async def restore_images(self, request: RestoreRequest) -> int:
         io = self._fresh_io()
         try:
-            await self.runc.restore(
+            pages = await self.runc.restore(
                 self.container_id,
                 RestoreOpts(
                     bundle=self.bundle,
@@ -142,12 +142,21 @@ class JobHost:
                     tcp_established=request.tcp_established,
                     ext_unix_sk=request.ext_unix_sk,
                     file_locks=request.file_locks,
+                    lazy_pages=request.lazy_pages,
                     stdio=io.stdio,
                 ),
             )
         finally:
             io.handed_over()
-        self.pid = read_pid_file(self._pid_file())
+        try:
+            self.pid = read_pid_file(self._pid_file())
+            if pages is not None:
+                request.resumed()
+                await pages.wait()  # every page in (cancelled: the tasks are killed first)
+        except BaseException:
+            if pages is not None:
+                await asyncio.shield(pages.abandon())
+            raise
         return self.pid
 
     async def pids(self) -> Sequence[int]:

@@ -133,6 +133,7 @@ class CheckpointManager:
                 "label": report.label,
                 "scope": report.scope,
                 "checkpoint": report.checkpoint_id,
+                "memory": report.memory,
                 "outcome": record.outcome,
                 "why": report.detail,
                 "seconds": record.duration_seconds,

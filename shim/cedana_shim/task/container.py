@@ -37,6 +37,7 @@ from ..errors import (
     NotFound,
     ShimError,
 )
+from ..runtime.lazy_pages import PagesDaemon
 from ..runtime.mount import mount_all, unmount_all
 from ..runtime.reaper import Child, Reaper
 from ..runtime.runc import (
@@ -45,6 +46,7 @@ from ..runtime.runc import (
     ExecOpts,
     RestoreOpts,
     Runc,
+    Stdio,
     read_pid_file,
 )
 from .cgroups import Cgroup, load_cgroup
@@ -259,10 +261,13 @@ class Container:
         return await self.cr.pipeline.versions.get(self.runc)
 
     async def restore_images(self, request: RestoreRequest) -> int:
+        """``runc restore``; lazily (``request.lazy_pages``) it returns once every page is
+        in, the tasks running (and their stdio copied) meanwhile."""
         self._fresh_io()
-        await self._start_process(
-            self.io,
-            lambda console, stdio: self.runc.restore(
+        pages: list[PagesDaemon] = []
+
+        async def restore(console: str | None, stdio: Stdio | None) -> None:
+            daemon = await self.runc.restore(
                 self.id,
                 RestoreOpts(
                     bundle=self.bundle,
@@ -275,12 +280,23 @@ class Container:
                     tcp_established=request.tcp_established,
                     ext_unix_sk=request.ext_unix_sk,
                     file_locks=request.file_locks,
+                    lazy_pages=request.lazy_pages,
                     stdio=stdio,
                 ),
-            ),
-        )
-        self.init.pid = read_pid_file(self._pid_file())
-        self._load_cgroup()
+            )
+            pages.extend([daemon] if daemon is not None else [])
+
+        try:
+            await self._start_process(self.io, restore)
+            self.init.pid = read_pid_file(self._pid_file())
+            self._load_cgroup()
+            for daemon in pages:
+                request.resumed()
+                await daemon.wait()  # cancelled (a Kill), it stops the tasks, then itself
+        except BaseException:
+            for daemon in pages:
+                await asyncio.shield(daemon.abandon())
+            raise
         return self.init.pid
 
     async def pids(self) -> Sequence[int]:

@@ -65,8 +65,9 @@ class Containerd:
         self.version = version
         self.runtime = runtime
         # Added last to containerd's environment, so its shims inherit them (node config
-        # `CEDANA_<KEY>`, or e.g. PYTHONPATH with CEDANA_FORKSERVER=0). A change takes
-        # effect at the next start().
+        # `CEDANA_<KEY>`, or e.g. PYTHONPATH with CEDANA_FORKSERVER=0); a PATH goes in
+        # front of the harness's own (a wrapper shadowing a tool). A change takes effect
+        # at the next start().
         self.extra_env: dict[str, str] = dict(extra_env or {})
         self.images = images
         self.base = base
@@ -256,6 +257,8 @@ state = {_toml_str(self.state)}
         # The warm fork server must not outlive the suite by an hour.
         env.setdefault("CEDANA_FORKSERVER_IDLE", "120")
         env.update(self.extra_env)
+        if "PATH" in self.extra_env:
+            env["PATH"] = f"{self.extra_env['PATH']}:{':'.join(dict.fromkeys(path))}"
         return env
 
     # -- lifecycle --------------------------------------------------------------------

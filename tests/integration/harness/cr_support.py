@@ -63,7 +63,9 @@ _TICK = re.compile(r"tick ([0-9a-f-]{36}) (\d+)\s*$")
 DELETED_FILE = "/etc/group"  # present in the test image (harness.images), deleted by the workload
 
 
-def counter_script(*, mem_kib: int = 0, tick: float = 0.2, extra: str = "") -> str:
+def counter_script(
+    *, mem_kib: int = 0, tick: float = 0.2, extra: str = "", each_tick: str = ""
+) -> str:
     """A busybox shell counter whose state is only in memory (`i`), mirrored every tick
     to /var/count on the rootfs and to stdout; at start it records its token in
     /var/token and /dev/shm/token and deletes DELETED_FILE from the image.
@@ -71,7 +73,8 @@ def counter_script(*, mem_kib: int = 0, tick: float = 0.2, extra: str = "") -> s
     `mem_kib` keeps that much random (base64) text in a shell variable, so the dump has
     real memory to write. SIGTERM reaches the script only when the shim delivers it
     (pid 1 ignores signals without a handler); the trap prints `got-TERM` first, so a
-    stop that was NOT a checkpoint is visible in the output."""
+    stop that was NOT a checkpoint is visible in the output. `each_tick` is shell run
+    after every tick's line."""
     mem = ""
     if mem_kib:
         # base64 of random bytes: ~1.33x the bytes, held by the shell as one string.
@@ -90,6 +93,7 @@ def counter_script(*, mem_kib: int = 0, tick: float = 0.2, extra: str = "") -> s
         "  i=$((i+1))\n"
         '  echo "$i" > /var/count\n'
         '  echo "tick $tok $i"\n'
+        f"{each_tick}"
         f"  sleep {tick}\n"
         "done\n"
     )

@@ -18,7 +18,14 @@ unchanged. Per-container state lives in ``<--root>/<id>/state``:
 * ``restore`` starts the bundle's process again with its memory file seeded
   from ``pages-1.img``; it runs the CRIU config's ``action-script`` (the shim's
   restore gate) at post-restore before letting the process run, and fails like
-  CRIU when the images carry a ``bad`` marker or are missing.
+  CRIU when the images carry a ``bad`` marker or are missing. With
+  ``--lazy-pages`` it fails like CRIU unless a lazy-pages daemon listens in the
+  work dir, and tells that daemon when the restore is finished.
+* Run as ``criu lazy-pages`` (the ``criu`` executable installed beside ``runc``),
+  it stands for CRIU's lazy-pages daemon: a marker file in ``--work-dir`` for its
+  socket, a byte on ``--status-fd`` once it "listens", exit 0 once the restore
+  said it finished (after ``sleep``: the pages still arriving), or exit 1 with
+  ``error`` (before listening) or ``die`` (after the restore).
 
 Failure injection: the control file next to the executable maps a verb to
 ``{"error": msg, "sleep": s, "bad_images": bool}`` (``bad_images`` for
@@ -57,6 +64,8 @@ INVENTORY_IMAGE = "inventory.img"
 PSTREE_IMAGE = "pstree.img"
 PAGES_IMAGE = "pages-1.img"
 BAD_MARKER = "bad"
+LAZY_SOCKET = "lazy-pages.socket"  # a plain file here: the daemon "listens"
+LAZY_FINISHED = "lazy-pages.finished"  # the restore told the daemon it is done
 CRIU_CONFIG_ANNOTATION = "org.criu.config"
 VERSION = "runc version 1.1.12 (fake)\ncommit: fake\nspec: 1.0.2-dev\n"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -67,6 +76,8 @@ WITH_VALUE = {
     "--empty-ns",
     "--format",
     "--image-path",
+    "--images-dir",
+    "--log-file",
     "--lsm-profile",
     "--manage-cgroups-mode",
     "--page-server",
@@ -75,6 +86,7 @@ WITH_VALUE = {
     "--process",
     "--resources",
     "--status-fd",
+    "--work-dir",
     "--work-path",
 }
 WAIT_SECONDS = 5.0  # for a process to die, stop, or reach its exec
@@ -625,6 +637,10 @@ def restore(call: Call) -> int:
         raise _criu_failed(call, work, "restore.log", "RESTORE", str(control["error"]))
     if os.path.exists(os.path.join(image, BAD_MARKER)):
         raise _criu_failed(call, work, "restore.log", "RESTORE", "the images are marked bad")
+    lazy = "--lazy-pages" in call.flags
+    if lazy and not os.path.exists(os.path.join(work, LAZY_SOCKET)):
+        why = f"uffd: connect to {LAZY_SOCKET} failed: No such file or directory"
+        raise _criu_failed(call, work, "restore.log", "RESTORE", why)
     try:
         with open(os.path.join(image, PAGES_IMAGE), "rb") as f:
             pages = f.read()
@@ -656,6 +672,34 @@ def restore(call: Call) -> int:
     started["restored_from"] = os.path.abspath(image)
     _save(call, started)
     _write_pid_file(call, pid)
+    if lazy:
+        with open(os.path.join(work, LAZY_FINISHED), "w"):
+            pass
+    return 0
+
+
+def lazy_pages(call: Call) -> int:
+    """``criu lazy-pages``: see the module docstring."""
+    control = call.control()
+    work = call.flags["--work-dir"]
+    if control.get("error"):
+        sys.stderr.write(f"Error (criu/uffd.c:1): {control['error']}\n")
+        return 1
+    os.makedirs(work, exist_ok=True)
+    with open(os.path.join(work, LAZY_SOCKET), "w"):
+        pass
+    status_fd = int(call.flags["--status-fd"])
+    os.write(status_fd, b"\0")
+    os.close(status_fd)
+    deadline = time.monotonic() + 600
+    while not os.path.exists(os.path.join(work, LAZY_FINISHED)):
+        if time.monotonic() > deadline:
+            return 1
+        time.sleep(0.005)
+    time.sleep(float(control.get("sleep", 0)))
+    if control.get("die"):
+        sys.stderr.write(f"Error (criu/uffd.c:2): {control['die']}\n")
+        return 1
     return 0
 
 
@@ -672,6 +716,7 @@ VERBS = {
     "update": update,
     "checkpoint": checkpoint,
     "restore": restore,
+    "lazy-pages": lazy_pages,
 }
 
 
@@ -691,6 +736,7 @@ class FakeRunc:
     def __init__(self, directory: str) -> None:
         self.dir = directory
         self.binary = os.path.join(directory, "runc")
+        self.criu = os.path.join(directory, "criu")  # only its lazy-pages
         self.root = os.path.join(directory, "root")
 
     @classmethod
@@ -703,9 +749,10 @@ class FakeRunc:
             compiled = compile(f.read(), source, "exec")
         with open(code, "wb") as f:
             marshal.dump(compiled, f)
-        with open(fake.binary, "w") as f:
-            f.write(WRAPPER.format(python=sys.executable, code=code, source=source))
-        os.chmod(fake.binary, 0o755)
+        for binary in (fake.binary, fake.criu):
+            with open(binary, "w") as f:
+                f.write(WRAPPER.format(python=sys.executable, code=code, source=source))
+            os.chmod(binary, 0o755)
         return fake
 
     def control(self, **verbs: dict[str, Any]) -> None:

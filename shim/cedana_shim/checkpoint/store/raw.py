@@ -15,6 +15,8 @@ import contextlib
 import logging
 import os
 import secrets
+from collections.abc import Callable
+from dataclasses import replace
 
 from cedana_shim import errors
 
@@ -52,8 +54,12 @@ class RawImages(Catalog):
             return None
         return path
 
-    def verify_raw(self, entry: Entry, layer: str) -> None:
+    def verify_raw(
+        self, entry: Entry, layer: str, *, only: Callable[[str], bool] | None = None
+    ) -> None:
         """Every file of ``layer``'s raw images has its size and CRC-32; DataLoss naming it.
+        ``only`` picks the files by their path in the layer (a lazy restore checks its
+        memory pages apart from the rest).
 
         The directory is opened once: a concurrent compaction moving it does
         not matter.
@@ -63,6 +69,8 @@ class RawImages(Catalog):
         files = self._file_list(current, layer)
         if files is None:
             raise errors.DataLoss(f"{what}: none kept")
+        if only is not None:
+            files = replace(files, files=tuple(f for f in files.files if only(f.path)))
         path = self._raw_path(current.id, layer)
         with self._raw_layer(current.id, layer, what) as fd:
             verify_files(fd, files, path=path, describe=f"{what} ({path})", deep=True)
