@@ -34,7 +34,7 @@ that the task layer logs and publishes (``/cedana/restore``). The session drives
 the container only through :class:`RestoreHost`, so the same object serves any
 caller that can restore from a directory of CRIU images.
 
-About 750 lines: every way into and out of a restore is decided here, on purpose in
+About 880 lines: every way into and out of a restore is decided here, on purpose in
 one place (the candidates, by label or by hand, their checks, the fallback, the
 report); what is not a decision lives beside it (compat.py, criu_config.py,
 gpu_steps.py, the store).

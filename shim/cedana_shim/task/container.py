@@ -8,7 +8,7 @@ belong to :mod:`.checkpointing`, the choice of what to restore to
 :class:`~cedana_shim.checkpoint.restore.RestoreHost`), events and exit
 bookkeeping to the service.
 
-About 550 lines: one class answers every Task verb for its container; the parts
+About 570 lines: one class answers every Task verb for its container; the parts
 with a job of their own live beside it (requests.py, execs.py, launch.py,
 checkpointing.py, and checkpoint/restore.py for what to restore).
 """
