@@ -355,11 +355,11 @@ def shim_records(b: Bench, offset: int, cid: str) -> list[dict[str, Any]]:
     return records
 
 
-def shim_criu_dump(b: Bench, offset: int, cid: str) -> dict[str, Any]:
-    """CRIU's statistics of the shim's dump of `cid`, from its "checkpoint committed"
-    line (runtime/criu_stats.py)."""
+def shim_criu(b: Bench, offset: int, cid: str, msg: str) -> dict[str, Any]:
+    """CRIU's statistics of the shim's dump or restore of `cid`, from its "checkpoint
+    committed" or "restored from checkpoint" line (runtime/criu_stats.py)."""
     for rec in shim_records(b, offset, cid):
-        if rec.get("msg") == "checkpoint committed" and isinstance(rec.get("criu"), dict):
+        if rec.get("msg") == msg and isinstance(rec.get("criu"), dict):
             return dict(rec["criu"])
     return {}
 
@@ -461,6 +461,9 @@ class CedanaSide:
         pid = self.task_pid(cid)
         return elapsed, pid, shim_breakdown(self.b, offset, cid, t0_wall)
 
+    def criu_restore(self, cid: str, offset: int) -> dict[str, Any]:
+        return shim_criu(self.b, offset, cid, "restored from checkpoint")
+
     def stop_with_checkpoint(self, cid: str, label: str) -> dict[str, Any]:
         # containerd's Tasks.Wait (what `ctr run` waits with; ctr has no `task wait`
         # command) is in flight before the kill and returns when the exit is reported.
@@ -504,7 +507,7 @@ class CedanaSide:
             "exit_status": exit_status,
             "task_after": status.status if status else None,
             "store": entry,
-            "criu": shim_criu_dump(self.b, offset, cid),
+            "criu": shim_criu(self.b, offset, cid, "checkpoint committed"),
             **shim_breakdown(self.b, offset, cid, t0_wall),
         }
 
@@ -653,9 +656,11 @@ def one_run(
             out["cedana_cli"] = cli_checkpoint(b.store, label)
             ced.ctr.remove(cid)
             settle(RESTORE_GAP)
+            restore_offset = b.containerd.log_offset()
             restore_s, pid, breakdown = ced.start(cid_restored, label)
             out["cedana_restore"] = {
                 "seconds": restore_s,
+                "criu": ced.criu_restore(cid_restored, restore_offset),
                 **breakdown,
                 **check_resumed(pid, before, mib, f"cedana container {cid_restored}"),
             }
@@ -849,6 +854,10 @@ def main() -> int:
 
     criu_keys = ("freezing_s", "frozen_s", "memdump_s", "memwrite_s", "pages_written")
     criu_dump = {key: (criu("cedana_stop", key), criu("runc_checkpoint", key)) for key in criu_keys}
+    criu_restore_keys = ("forking_s", "restore_s", "pages_restored")
+    criu_restore = {
+        key: (criu("cedana_restore", key), criu("runc_restore", key)) for key in criu_restore_keys
+    }
 
     # Inside the shim, from its own log: the runc/CRIU part of each operation, and for
     # the restore how long Create took (checkpoint verified, CRIU images unpacked).
@@ -924,6 +933,17 @@ def main() -> int:
                 f"{rest_ratio:.2f}",
                 f"<= {TARGET_RATIO}: {verdict(rest_ratio, TARGET_RATIO)}",
             ],
+            *(
+                [
+                    f"    CRIU {key.removesuffix('_s').replace('_', ' ')}",
+                    criu_cell(key, c),
+                    criu_cell(key, r),
+                    f"{ratio(c.median, r.median):.2f}" if r.median else "",
+                    "(stats-restore)",
+                ]
+                for key, (c, r) in criu_restore.items()
+                if c.n and r.n
+            ),
             [
                 "    until shim Create done",
                 cell(shim_created),
@@ -992,6 +1012,11 @@ def main() -> int:
             "meets_target": rest_ratio <= TARGET_RATIO,
             "cedana_until_shim_created": shim_created.as_dict(),
             "cedana_shim_runc_restore": shim_restore.as_dict(),
+            "criu_stats_restore": {
+                key: {"cedana": c.as_dict(), "runc": r.as_dict()}
+                for key, (c, r) in criu_restore.items()
+                if c.n and r.n
+            },
         },
         "kill_to_resumed": {
             "what": "cedana: `ctr task kill -s SIGTERM` until the next container of the label "

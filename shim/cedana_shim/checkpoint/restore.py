@@ -63,6 +63,7 @@ from ..errors import (
     ShimError,
 )
 from ..hooks import HookRunner, HookState, Stage
+from ..runtime.criu_stats import restore_stats
 from . import criu_config
 from .compat import image_mismatch, incompatible
 from .gpu_steps import GpuSteps
@@ -177,6 +178,7 @@ class RestoreReport:
     requested: str = ""  # restore by hand: the id or prefix asked for
     failed: str = ""  # restore by hand refused: the error the Create or Start failed with
     memory: str = ""  # how the restored memory came back: "lazy" or "eager" ("" for cold)
+    criu: dict[str, float | int] = field(default_factory=dict)  # CRIU's restore statistics
     clock: PhaseClock = field(default_factory=_restore_clock, repr=False)
     total: float = 0.0  # seconds spent restoring (at Create and at Start), phases and all
 
@@ -769,6 +771,7 @@ class RestoreSession:
             raise
         if checking is not None:
             await checking  # RawImagesBad: whatever CRIU made of them must not run
+        self.result.criu = restore_stats(plan.work_dir)
         return pid
 
     async def _check_raw(self, plan: Plan, verdict: str, resumed: asyncio.Event | None) -> None:

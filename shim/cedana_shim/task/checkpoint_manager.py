@@ -134,6 +134,7 @@ class CheckpointManager:
                 "scope": report.scope,
                 "checkpoint": report.checkpoint_id,
                 "memory": report.memory,
+                "criu": report.criu,
                 "outcome": record.outcome,
                 "why": report.detail,
                 "seconds": record.duration_seconds,
