@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import struct
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -43,18 +44,23 @@ def _seconds(microseconds: int) -> float:
     return round(microseconds / 1e6, 4)
 
 
-def dump_stats(work_dir: str) -> dict[str, float | int]:
-    """CRIU's figures for the dump whose work dir this is (times in seconds)."""
+def _entry(work_dir: str, name: str, field: str) -> Any:
+    """The ``field`` ("dump" or "restore") of the stats image ``name``, or None."""
     from ..api.criu import stats_pb2
 
     stats = stats_pb2.Stats()
     try:
-        stats.ParseFromString(_read(work_dir, DUMP_FILE))
+        stats.ParseFromString(_read(work_dir, name))
     except DecodeError:
+        return None
+    return getattr(stats, field) if stats.HasField(field) else None
+
+
+def dump_stats(work_dir: str) -> dict[str, float | int]:
+    """CRIU's figures for the dump whose work dir this is (times in seconds)."""
+    d = _entry(work_dir, DUMP_FILE, "dump")
+    if d is None:
         return {}
-    if not stats.HasField("dump"):
-        return {}
-    d = stats.dump
     return {
         "freezing_s": _seconds(d.freezing_time),
         "frozen_s": _seconds(d.frozen_time),
@@ -69,16 +75,9 @@ def dump_stats(work_dir: str) -> dict[str, float | int]:
 
 def restore_stats(work_dir: str) -> dict[str, float | int]:
     """CRIU's figures for the restore whose work dir this is (times in seconds)."""
-    from ..api.criu import stats_pb2
-
-    stats = stats_pb2.Stats()
-    try:
-        stats.ParseFromString(_read(work_dir, RESTORE_FILE))
-    except DecodeError:
+    r = _entry(work_dir, RESTORE_FILE, "restore")
+    if r is None:
         return {}
-    if not stats.HasField("restore"):
-        return {}
-    r = stats.restore
     return {
         "forking_s": _seconds(r.forking_time),
         "restore_s": _seconds(r.restore_time),
