@@ -619,6 +619,29 @@ class RuncSide:
         remove_cgroup_tree(self.cgroup_parent)
 
 
+def memhog_sides(b: Bench, cleanup: Cleanup, mib: int, name: str) -> tuple[RuncSide, CedanaSide]:
+    """The memhog image filling ``mib`` MiB, imported into the private containerd for
+    the cedana side and unpacked as a bundle template for the runc side (its state,
+    bundles and images under ``<work dir>/runc``, its cgroups under
+    ``cedana-bench-<name>-*``, all removed by ``cleanup``)."""
+    work = b.root / "runc"
+    work.mkdir()
+    memhog = build_memhog(b.root)
+    archive, template = build_image(b.root, memhog, mib)
+    ctr = b.containerd.ctr(NAMESPACE)
+    ctr("images", "import", str(archive), timeout=120)
+    rc = RuncSide(
+        root=work / "state",
+        template=template,
+        workdir=work,
+        cgroup_parent=f"cedana-bench-{name}-{b.marker[:8]}",
+        cleanup=cleanup,
+    )
+    cleanup.push("runc cgroups", rc.remove_cgroups)
+    b.store.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return rc, CedanaSide(b, ctr, cleanup)
+
+
 # -- main ----------------------------------------------------------------------------------
 
 
@@ -772,24 +795,10 @@ def main() -> int:
             if args.load:
                 report.params["load_pids"] = start_cpu_load(args.load, cleanup)
             report.params["containerd_log"] = str(b.containerd.log_path)
-            work = b.root / "runc"
-            work.mkdir()
-            memhog = build_memhog(b.root)
-            archive, template = build_image(b.root, memhog, args.mem_mib)
-            ctr = b.containerd.ctr(NAMESPACE)
-            ctr("images", "import", str(archive), timeout=120)
-            rc = RuncSide(
-                root=work / "state",
-                template=template,
-                workdir=work,
-                cgroup_parent=f"cedana-bench-runc-{b.marker[:8]}",
-                cleanup=cleanup,
-            )
-            cleanup.push("runc cgroups", rc.remove_cgroups)
-            ced = CedanaSide(b, ctr, cleanup)
+            rc, ced = memhog_sides(b, cleanup, args.mem_mib, "runc")
+            work = rc.workdir
             report.params["cedana_store"] = str(b.store)
             report.params["runc_images"] = str(work)
-            b.store.mkdir(mode=0o700, parents=True, exist_ok=True)
             fs = {
                 side: run(["findmnt", "-n", "-o", "SOURCE,FSTYPE", "-T", str(path)]).strip()
                 for side, path in (("cedana", b.store), ("runc", work))

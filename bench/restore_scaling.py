@@ -66,9 +66,8 @@ from checkpoint_restore import (
     BenchFailure,
     CedanaSide,
     RuncSide,
-    build_image,
-    build_memhog,
     cli_remove,
+    memhog_sides,
     run,
     shim_breakdown,
     shim_log_excerpt,
@@ -396,22 +395,7 @@ def main() -> int:
     try:
         with private_containerd(args.containerd, cleanup, (NAMESPACE,), keep=args.keep) as b:
             report.params["containerd_full"] = b.version.full
-            work = b.root / "runc"
-            work.mkdir()
-            memhog = build_memhog(b.root)
-            archive, template = build_image(b.root, memhog, sizes[0])
-            ctr = b.containerd.ctr(NAMESPACE)
-            ctr("images", "import", str(archive), timeout=120)
-            rc = RuncSide(
-                root=work / "state",
-                template=template,
-                workdir=work,
-                cgroup_parent=f"cedana-bench-scale-{b.marker[:8]}",
-                cleanup=cleanup,
-            )
-            cleanup.push("runc cgroups", rc.remove_cgroups)
-            ced = CedanaSide(b, ctr, cleanup)
-            b.store.mkdir(mode=0o700, parents=True, exist_ok=True)
+            rc, ced = memhog_sides(b, cleanup, sizes[0], "scale")
             for mib in sizes:
                 for i in range(args.warmup + args.runs):
                     order = sides[i % len(sides) :] + sides[: i % len(sides)]
