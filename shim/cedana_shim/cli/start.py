@@ -25,6 +25,10 @@ from .paths import (
     shim_socket_path,
 )
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn
+
 GROUP_ANNOTATIONS = ("io.containerd.runc.v2.group", "io.kubernetes.cri.sandbox-id")
 PROBE_TIMEOUT = 0.1
 
@@ -156,18 +160,59 @@ def spawn_daemon(listener: _socket.socket, args: ShimArgs, stdin: bytes) -> int:
     return fork_daemon(listener, argv, stdin)
 
 
-def adjust_oom_score(pid: int) -> None:
-    """Daemon one point more killable than containerd, as the runc shim does."""
+def containerd_oom_score() -> int | None:
+    """The oom_score_adj of containerd, our parent (None where it cannot be read)."""
     try:
         with open(f"/proc/{os.getppid()}/oom_score_adj") as f:
-            score = int(f.read().strip())
-        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
-            f.write(str(min(score + 1, 1000)))
+            return int(f.read().strip())
     except (OSError, ValueError):
+        return None
+
+
+def adjust_oom_score(pid: int, containerd_score: int | None) -> None:
+    """Daemon one point more killable than containerd, as the runc shim does."""
+    if containerd_score is None:
+        return
+    try:
+        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write(str(min(containerd_score + 1, 1000)))
+    except OSError:
         pass  # this VM refuses some values; the daemon keeps the inherited score
 
 
+def report_failure(bundle: str, container_id: str, err: BaseException) -> None:
+    """containerd no longer reads this process's stderr: the reason goes to its log
+    (the bundle's log FIFO, as the daemon's lines do)."""
+    import json
+
+    from ..log import open_log_fifo
+
+    fd = open_log_fifo(bundle)
+    if fd is None:
+        return
+    line = json.dumps(
+        {
+            "level": "error",
+            "msg": f"cedana shim start: cannot start the shim daemon: {err}",
+            "container": container_id,
+        }
+    )
+    try:
+        os.write(fd, line.encode() + b"\n")
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def run_start(args: ShimArgs, stdin: bytes) -> int:
+    """Print the pod's daemon address, starting the daemon when none serves it.
+
+    containerd waits for this process to exit, and it then connects to the address at
+    once: the socket is already listening, so the connection (and its first request)
+    waits in the backlog until the daemon accepts. So the daemon is started by a child
+    of this process after the answer (``_hand_off``), and this one exits right away.
+    """
     if not args.namespace or not args.id:
         raise StartError("start needs -namespace and -id")
     bundle = os.getcwd()
@@ -181,12 +226,40 @@ def run_start(args: ShimArgs, stdin: bytes) -> int:
         return 0
     try:
         write_address(bundle, address)
-        pid = spawn_daemon(listener, args, stdin)
+        score = containerd_oom_score()
+        sys.stdout.write(address)
+        sys.stdout.flush()
+        helper = os.fork()
     except BaseException:
+        listener.close()
         os.unlink(path)
         raise
-    finally:
-        listener.close()
-    adjust_oom_score(pid)
-    sys.stdout.write(address)
+    if helper == 0:
+        _hand_off(listener, path, args, stdin, score)  # never returns
+    listener.close()  # the helper has it
     return 0
+
+
+def _hand_off(
+    listener: _socket.socket, path: str, args: ShimArgs, stdin: bytes, score: int | None
+) -> NoReturn:
+    """In the helper: have the daemon started with ``listener``, then exit. It lets go
+    of containerd's pipes first (containerd reads the answer until their EOF). A
+    daemon that cannot be started leaves no socket: containerd's connection and
+    requests then fail, and the reason is in containerd's log."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    code = 0
+    try:
+        adjust_oom_score(spawn_daemon(listener, args, stdin), score)
+    except BaseException as err:
+        code = 1
+        try:
+            os.unlink(path)
+            report_failure(os.getcwd(), args.id, err)
+        except BaseException:
+            pass  # nothing is left to tell
+    finally:
+        os._exit(code)
