@@ -33,8 +33,27 @@ SHUTDOWN_GRACE = 2.0
 COMPACT_DRAIN_TIMEOUT = 600.0  # a stopped container's checkpoint may still be compressing
 
 
+# Computed once, in the fork server: see _ShimLoop.
+_VALID_SIGNALS = frozenset(signal.valid_signals())
+
+
+class _ShimLoop(asyncio.SelectorEventLoop):
+    """The event loop, but for one private check. asyncio tests every signal number
+    given to add_signal_handler / remove_signal_handler against
+    ``signal.valid_signals()``, which builds a set of 65 ``Signals`` members on each
+    call (~0.25 ms; a daemon makes six: SIGCHLD, SIGTERM, SIGINT and their removal).
+    Where asyncio has no such check the override is simply never called."""
+
+    def _check_signal(self, sig: int) -> None:
+        if not isinstance(sig, int):
+            raise TypeError(f"sig must be an int, not {sig!r}")
+        if sig not in _VALID_SIGNALS:
+            raise ValueError(f"invalid signal number {sig}")
+
+
 def run_daemon(args: ShimArgs, start_stdin: bytes) -> int:
-    return asyncio.run(_serve(args, start_stdin))
+    with asyncio.Runner(loop_factory=_ShimLoop) as runner:
+        return runner.run(_serve(args, start_stdin))
 
 
 def _listener(args: ShimArgs) -> socket.socket:
@@ -102,7 +121,10 @@ async def _serve(args: ShimArgs, start_stdin: bytes) -> int:
             publisher,
             reaper,
             checkpoints=checkpoints,
-            runc_factory=bundle_runc(reaper, debug=args.debug),
+            # runc without --debug even when containerd runs the shim with -debug, as
+            # containerd's runc shim: runc opens its log O_SYNC, and its debug lines
+            # cost a synchronous write each (~40 ms a `runc create` on ext4).
+            runc_factory=bundle_runc(reaper),
             oom=oom,
             on_shutdown=stop.set,
         )
