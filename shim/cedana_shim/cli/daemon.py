@@ -51,9 +51,18 @@ class _ShimLoop(asyncio.SelectorEventLoop):
             raise ValueError(f"invalid signal number {sig}")
 
 
-def run_daemon(args: ShimArgs, start_stdin: bytes) -> int:
-    with asyncio.Runner(loop_factory=_ShimLoop) as runner:
-        return runner.run(_serve(args, start_stdin))
+def prepare_event_loop() -> asyncio.Runner:
+    """The daemon's event loop, made ahead of the request by a spare (cli/spare.py):
+    run once, with the thread its ``to_thread`` calls use (the loop's default
+    executor) already started."""
+    runner = asyncio.Runner(loop_factory=_ShimLoop)
+    runner.run(asyncio.to_thread(int))
+    return runner
+
+
+def run_daemon(args: ShimArgs, start_stdin: bytes, runner: asyncio.Runner | None = None) -> int:
+    with runner or asyncio.Runner(loop_factory=_ShimLoop) as running:
+        return running.run(_serve(args, start_stdin))
 
 
 def _listener(args: ShimArgs) -> socket.socket:
