@@ -184,14 +184,14 @@ class Template:
 
     def prepare(self) -> None:
         """In a spare, before its request: what every child of this kind does first."""
-        from .daemon import LISTENER_FD, prepare_event_loop
+        from .daemon import LISTENER_FD, prepare_daemon
 
         # become_daemon puts the listener at fd 3: /dev/null holds that number until
         # then (when it is free), so that the loop's descriptors get other numbers.
         placeholder = os.open(os.devnull, os.O_RDONLY)  # the lowest free number
         if placeholder != LISTENER_FD:
             os.close(placeholder)
-        self._runner = prepare_event_loop()
+        self._runner = prepare_daemon()
 
     def check(self, request: ForkRequest) -> object:
         if len(request.fds) != 1:
