@@ -11,7 +11,8 @@ Runs alternate cedana, runc, cedana, ... and each pod is removed before the next
 Cedana daemons are forked from a warm fork server (shim/cedana_shim/cli/forkserver.py)
 and share its pages copy-on-write, so RSS counts those shared pages in full in every
 daemon; PSS divides them among the sharers and is the fair per-shim figure. Both are
-reported, and USS (private pages only), plus the fork server's own memory.
+reported, and USS (private pages only), plus the memory of the fork server and of its
+spare (the child it forks ahead of the next pod, cli/spare.py: one per node).
 """
 
 from __future__ import annotations
@@ -77,6 +78,22 @@ def cmdline(pid: int) -> str:
     return " ".join(a.decode(errors="replace") for a in raw.split(b"\0") if a)
 
 
+def spares_of(server: int) -> list[int]:
+    """The fork server's spare (cli/spare.py): forked ahead of the next request."""
+    from cedana_shim.cli.spare import SPARE_NAME
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                named = (entry / "comm").read_text().strip() == SPARE_NAME
+                if named and ppid_of(int(entry.name)) == server:
+                    found.append(int(entry.name))
+            except (OSError, ValueError):
+                continue
+    return found
+
+
 def ppid_of(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat.rsplit(")", 1)[1].split()[1])
@@ -114,10 +131,14 @@ def measure_pod(b: Any, handler: str, run: int) -> dict[str, Any]:
                 total = total + m
             parents = {pid: ppid_of(pid) for pid in daemons}
             forkserver: dict[str, Any] | None = None
+            spare: dict[str, Any] | None = None
             for parent in set(parents.values()):
                 if is_fork_server(parent):
                     fm = smaps_rollup(parent)
                     forkserver = {"pid": parent, "rss": fm.rss, "pss": fm.pss, "uss": fm.uss}
+                    for child in spares_of(parent):
+                        sm = smaps_rollup(child)
+                        spare = {"pid": child, "rss": sm.rss, "pss": sm.pss, "uss": sm.uss}
             return {
                 "pod": pod.id,
                 "daemons": [
@@ -135,6 +156,7 @@ def measure_pod(b: Any, handler: str, run: int) -> dict[str, Any]:
                 "pss": total.pss,
                 "uss": total.uss,
                 "forkserver": forkserver,
+                "spare": spare,
             }
     finally:
         cri.close()
@@ -226,6 +248,14 @@ def main() -> int:
         )  # fmt: skip
     else:
         report.notes.append("no cedana daemon was a child of a fork server: all took the cold path")
+    spare_samples = [m["spare"] for m in measured["cedana"] if m.get("spare")]
+    if spare_samples:
+        sp = {k: summarize([f[k] / MB for f in spare_samples]) for k in ("rss", "pss", "uss")}
+        summary["cedana fork server's spare"] = {k + "_mb": v.as_dict(2) for k, v in sp.items()}
+        rows.append(
+            ["(its spare, the next daemon)", str(len(spare_samples)), "-",
+             f"{sp['rss'].median:.1f}", f"{sp['pss'].median:.1f}", f"{sp['uss'].median:.1f}"]
+        )  # fmt: skip
     cold = len(groups.get("cedana (cold path)", []))
     if cold:
         report.notes.append(

@@ -1,12 +1,16 @@
 """Start latency: `ctr run --rm` of a trivial busybox container (`/bin/true`) with the
 cedana runtime vs containerd's runc shim, interleaved, on one private containerd.
 
-    python bench/start_latency.py [--runs 30] [--warmup 3] [--containerd 1.6|1.7|2.1]
-                                  [--out results.json]
+    python bench/start_latency.py [--runs 30] [--warmup 3] [--gap 0.5]
+                                  [--containerd 1.6|1.7|2.1] [--out results.json]
 
 Each sample is the wall time from spawning `ctr` to its exit: create the container
 and snapshot, start the shim, create + start the task, wait for the exit, delete the
-task, the shim and the container. Everything but the runtime is identical.
+task, the shim and the container. Everything but the runtime is identical. A sample
+starts `--gap` seconds after the previous one ended, so that what either runtime
+does in the background after its `ctr` returned (a shim daemon exiting, the cedana
+fork server forking its next spare, containerd's GC) does not run inside the other
+runtime's sample.
 """
 
 from __future__ import annotations
@@ -46,9 +50,12 @@ def forkservers(marker: str) -> set[int]:
 def main() -> int:
     parser = base_parser(__doc__ or "", default_runs=30)
     parser.add_argument("--warmup", type=int, default=3, help="discarded runs per side")
+    parser.add_argument(
+        "--gap", type=float, default=0.5, help="idle seconds between samples (default 0.5)"
+    )
     args = parser.parse_args()
-    if args.runs < 1 or args.warmup < 0:
-        parser.error("--runs must be >= 1 and --warmup >= 0")
+    if args.runs < 1 or args.warmup < 0 or args.gap < 0:
+        parser.error("--runs must be >= 1, --warmup and --gap >= 0")
     ensure_venv()
     require_root()
     install_signal_handlers()
@@ -62,6 +69,7 @@ def main() -> int:
             "containerd": args.containerd,
             "command": "ctr run --rm --runtime <type> busybox <id> /bin/true",
             "order": "interleaved: cedana, runc, cedana, runc, ...",
+            "gap_s": args.gap,
         },
     )
     samples: dict[str, list[float]] = {name: [] for name in RUNTIMES}
@@ -106,6 +114,7 @@ def main() -> int:
                         samples[name].append(elapsed)
                     tag = "" if warm else " (warm-up, discarded)"
                     print(f"run {i + 1:3d}/{total} {name:6s} {elapsed * 1000:7.1f} ms{tag}")
+                    time.sleep(args.gap)
     finally:
         cleanup.run()
 

@@ -7,7 +7,8 @@ importing ``json`` on that hot path:
 - ``cedana-runc`` (at Create): how to call runc for this container, one
   ``key=value`` per line. A bundle without it (Create never got that far) falls
   back to containerd's runc defaults.
-- ``cedana-deleted``: the daemon deleted the container itself; nothing is left.
+- ``cedana-deleted``: the daemon deleted the container itself; nothing is left but
+  to print the DeleteResponse it holds (the shell launcher does, without Python).
 - ``cedana-criu-group`` (while ``runc restore`` or ``runc checkpoint`` runs): its
   process group (runc, CRIU, CRIU's action scripts), which ``delete`` kills if the
   daemon died mid-operation; for a lazy restore, until its lazy-pages daemon exits:
@@ -17,6 +18,8 @@ importing ``json`` on that hot path:
 from __future__ import annotations
 
 import os
+
+from .wire import delete_response
 
 FILE_NAME = "cedana-runc"
 DEFAULT_RUNC_ROOT = "/run/containerd/runc"
@@ -70,23 +73,44 @@ class BundleState:
 
 
 DELETED_MARK = "cedana-deleted"
+_OCTAL_BYTES = frozenset(f"{byte:03o}" for byte in range(256))
 
 
 def mark_deleted(bundle: str, pid: int, exit_status: int, exited_at: float) -> None:
     """The daemon deleted this container cleanly (runc state gone, rootfs unmounted):
-    the ``delete`` command that containerd runs next has nothing left to do."""
+    the ``delete`` command that containerd runs next has nothing left to do but print
+    this DeleteResponse. It is stored as printf octal escapes on one line, which the
+    shim's shell launcher prints without starting Python (:mod:`cedana_shim.launcher`).
+    """
+    response = delete_response(pid, exit_status, exited_at)
     tmp = os.path.join(bundle, f".{DELETED_MARK}.tmp")
     with open(tmp, "w") as f:
-        f.write(f"{pid} {exit_status} {exited_at!r}\n")
+        f.write("".join(f"\\{byte:03o}" for byte in response) + "\n")
     os.rename(tmp, os.path.join(bundle, DELETED_MARK))
 
 
-def read_deleted(bundle: str) -> tuple[int, int, float] | None:
+def read_deleted(bundle: str) -> bytes | None:
+    """The DeleteResponse :func:`mark_deleted` left, if any."""
     try:
         with open(os.path.join(bundle, DELETED_MARK)) as f:
-            pid, status, when = f.read().split()
-        return int(pid), int(status), float(when)
-    except (OSError, ValueError):
+            text = f.read().strip()
+    except OSError:
+        return None
+    if text[:1] != "\\":
+        return _read_pid_status_mark(text)
+    escapes = text[1:].split("\\")
+    if not all(e in _OCTAL_BYTES for e in escapes):
+        return None  # not what mark_deleted writes (the shell launcher refuses it too)
+    return bytes(int(e, 8) for e in escapes)
+
+
+def _read_pid_status_mark(text: str) -> bytes | None:
+    """``pid status exited_at``, as daemons before the shell's fast path wrote it (one
+    may still run through an upgrade)."""
+    try:
+        pid, status, when = text.split()
+        return delete_response(int(pid), int(status), float(when))
+    except ValueError:
         return None
 
 

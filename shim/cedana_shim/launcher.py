@@ -1,12 +1,19 @@
-"""The launcher containerd execs as ``containerd-shim-cedana-v2``.
+"""The launchers containerd execs as ``containerd-shim-cedana-v2`` and Slurm as the job runner.
 
 ``start`` and ``delete`` run once per container on containerd's critical path,
 and a Python process's start-up is most of their cost. pip's console-script
 wrapper imports ``re`` and lets ``site`` scan every ``.pth`` file; a shell
-launcher forks ``readlink`` and ``dirname``. This launcher starts the
-interpreter with ``-sS`` (no site, no user site) and a fixed ``sys.path``. The Slurm
-job runner (``cedana-slurm-task``, on every protected job's launch path) gets one
-too (``--module cedana_shim.cli.slurm_task``).
+launcher that finds its directory forks ``readlink`` and ``dirname``. These
+launchers start the interpreter with ``-IS``: isolated (containerd's
+``PYTHONPATH``, ``PYTHONDONTWRITEBYTECODE``... change nothing, as for the fork
+server), no site, and a fixed ``sys.path``.
+
+The shim's launcher is a ``/bin/sh`` script: containerd runs ``delete`` after every
+container, and when the daemon has already deleted it (the normal case) the bundle
+holds the whole answer (:func:`cedana_shim.bundle_state.mark_deleted`), which the
+shell prints without starting Python at all (~1 ms instead of ~10). Everything else
+goes to Python. The Slurm job runner (``--module cedana_shim.cli.slurm_task``) is
+a Python script.
 
     python -m cedana_shim.launcher DEST [--python PY] [--path DIR]... [--module M]
 """
@@ -18,14 +25,59 @@ import os
 import sys
 import sysconfig
 
-TEMPLATE = """#!{python} -sS
-# Written by `python -m cedana_shim.launcher`: a hot path (the shim, the Slurm job runner).
+PYTHON_TEMPLATE = """#!{python} -IS
+# Written by `python -m cedana_shim.launcher`: a hot path (the Slurm job runner).
 import sys
 sys.path[:0] = {paths!r}
 from {module} import main
 sys.exit(main())
 """
+SHIM_TEMPLATE = """#!/bin/sh
+# Written by `python -m cedana_shim.launcher`: containerd's shim binary, a hot path.
+{fast_delete}exec {python} -IS -c {code} "$0" "$@"
+"""
+# Python's argv is then [-c, launcher, args...]: argv[0] becomes the launcher's path, as
+# if Python ran it as a script (proctitle shows it).
+SHIM_CODE = (
+    "import sys; del sys.argv[0]; sys.path[:0] = {paths}; from {module} import launch; launch()"
+)
 DEFAULT_MODULE = "cedana_shim.cli.shim_main"
+# What containerd runs after every container: `... -id ID -bundle B delete` (in B). The
+# flags are scanned as cli/args.py parses them, conservatively: a flag this does not
+# know, `-v`, `-info`, `--` or a value it cannot place leaves everything to Python. The
+# mark is printed only when it is exactly what bundle_state.mark_deleted writes, one
+# or more \ooo escapes of bytes (\000-\377) and nothing else, so printf sees no
+# conversion; anything else goes to Python, which reads the same marks.
+FAST_DELETE = r"""bundle= want= action=
+for arg do
+	if [ -n "$want" ]; then
+		[ "$want" = bundle ] && bundle=$arg
+		want=
+		continue
+	fi
+	case $arg in
+	-bundle | --bundle) want=bundle ;;
+	-bundle=* | --bundle=*) bundle=${arg#*=} ;;
+	-namespace | --namespace | -address | --address | -publish-binary | --publish-binary | \
+	-id | --id | -socket | --socket | -debug-socket | --debug-socket) want=value ;;
+	-namespace=* | --namespace=* | -address=* | --address=* | -publish-binary=* | \
+	--publish-binary=* | -id=* | --id=* | -socket=* | --socket=* | -debug-socket=* | \
+	--debug-socket=* | -debug | --debug) ;;
+	-*) break ;;
+	*) action=$arg; break ;;
+	esac
+done
+if [ "$action" = delete ] && [ -z "$want" ]; then
+	mark=${bundle:-.}/cedana-deleted
+	if [ -f "$mark" ] && IFS= read -r response <"$mark"; then
+		case $response in
+		'' | [!\\]* | *[!0-7\\]* | *\\ | *\\[!0-3]* | *\\[0-7] | *\\[0-7][0-7] | \
+		*\\[0-7]\\* | *\\[0-7][0-7]\\* | *[0-7][0-7][0-7][0-7]*) ;;
+		*) printf "$response"; exit ;;
+		esac
+	fi
+fi
+"""
 
 
 def default_paths() -> list[str]:
@@ -41,11 +93,20 @@ def default_paths() -> list[str]:
 
 
 def launcher_text(python: str, paths: list[str], module: str = DEFAULT_MODULE) -> str:
+    import json
+    import shlex
+
     if " " in python or not os.path.isabs(python):
         raise ValueError(f"the launcher's interpreter must be an absolute path: {python!r}")
     if not all(part.isidentifier() for part in module.split(".")):
         raise ValueError(f"not a module name: {module!r}")
-    return TEMPLATE.format(python=python, paths=paths, module=module)
+    if module != DEFAULT_MODULE:
+        return PYTHON_TEMPLATE.format(python=python, paths=paths, module=module)
+    # JSON's list of strings is a Python literal, in double quotes: no shell escapes.
+    code = SHIM_CODE.format(paths=json.dumps(paths), module=module)
+    return SHIM_TEMPLATE.format(
+        fast_delete=FAST_DELETE, python=shlex.quote(python), code=shlex.quote(code)
+    )
 
 
 def write_launcher(

@@ -30,6 +30,7 @@ from cedana_shim.cli.fork_client import (
 )
 from cedana_shim.cli.paths import code_fingerprint
 from cedana_shim.cli.proctitle import SHIM_NAME
+from cedana_shim.cli.spare import SPARE_NAME
 
 PACKAGE = Path(forkserver.__file__).resolve().parents[1]  # .../cedana_shim
 
@@ -391,3 +392,64 @@ def test_a_servers_kind_and_fingerprint_are_in_its_socket_name() -> None:
     assert type(forkserver.template_for("slurm")).__name__ == "KeeperTemplate"
     with pytest.raises(ValueError, match="no fork server template of kind 'nope'"):
         forkserver.template_for("nope")
+
+
+# -- spares ---------------------------------------------------------------------------------
+
+
+def spares_of(server: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == server and alive(int(entry)) and comm_of(int(entry)) == SPARE_NAME:
+            found.append(int(entry))
+    return found
+
+
+def test_a_server_keeps_a_spare_that_becomes_the_next_daemon(
+    servers: Servers, tmp_path: Path, daemons: list[int]
+) -> None:
+    """The spare forked after each answer has its event loop made before the request."""
+    proc, path = servers.start()
+    wait_until(lambda: spares_of(proc.pid), what="a spare")
+    [spare] = spares_of(proc.pid)
+    assert argv_of(spare) == [SHIM_NAME, "template", "spare"]
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    daemon = fork_a_daemon(path, bundle, ["-namespace", "ns", "-id", "c1", "-address", "/x"])
+    daemons.append(daemon)
+    assert daemon == spare
+    wait_until(lambda: comm_of(daemon) == "containerd-shim", what="the spare to be the daemon")
+    wait_until(lambda: [p for p in spares_of(proc.pid) if p != spare], what="the next spare")
+    assert len(spares_of(proc.pid)) == 1
+
+
+def test_a_spare_ends_with_its_server(servers: Servers) -> None:
+    proc, _ = servers.start()
+    wait_until(lambda: spares_of(proc.pid), what="a spare")
+    [spare] = spares_of(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+    wait_until(lambda: not alive(spare), what="the spare to exit")
+
+
+def test_a_request_is_forked_for_when_the_spare_is_gone(
+    servers: Servers, tmp_path: Path, daemons: list[int]
+) -> None:
+    proc, path = servers.start()
+    wait_until(lambda: spares_of(proc.pid), what="a spare")
+    [spare] = spares_of(proc.pid)
+    os.kill(spare, signal.SIGKILL)
+    wait_until(lambda: not alive(spare), what="the spare to die")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    daemon = fork_a_daemon(path, bundle, ["-namespace", "ns", "-id", "c1", "-address", "/x"])
+    daemons.append(daemon)
+    assert daemon != spare
+    wait_until(lambda: comm_of(daemon) == "containerd-shim", what="the forked daemon")

@@ -222,8 +222,9 @@ def run_delete(args: ShimArgs) -> int:
     bundle = args.bundle or os.getcwd()
     done = read_deleted(bundle)
     if done is not None:
-        # The normal path: the daemon already deleted it and recorded how it exited.
-        sys.stdout.buffer.write(delete_response(*done))
+        # The daemon already deleted it and left the answer (which the shell launcher
+        # normally prints itself: this runs under another launcher or from an old mark).
+        sys.stdout.buffer.write(done)
         sys.stdout.flush()
         return 0
     state = BundleState.load(bundle, args.namespace)

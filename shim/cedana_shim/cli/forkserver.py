@@ -8,7 +8,10 @@ forks a ready daemon in about a millisecond. It is an optimisation only:
 then starts one in the background for the next container.
 
 The client side and the wire format are in :mod:`.fork_client`, which
-``start`` imports without this module's heavier imports.
+``start`` imports without this module's heavier imports. Between requests the
+server keeps a spare (:mod:`.spare`): a child forked ahead of time that has made
+its event loop and waits for the next request, so that a daemon costs containerd
+no fork at all.
 
 Kinds. What a server forks is named in its socket: ``forkserver-<fingerprint>.sock``
 forks shim daemons; ``forkserver-<kind>-<fingerprint>.sock`` forks what the
@@ -58,9 +61,11 @@ from .fork_client import (
     unix_socket,
 )
 from .proctitle import SHIM_NAME, daemon_title, set_name, set_title
+from .spare import Spare
 
 TYPE_CHECKING = False  # typing costs ~10 ms of import on the start path
 if TYPE_CHECKING:
+    import asyncio
     from collections.abc import Sequence
     from types import FrameType
     from typing import NoReturn
@@ -69,6 +74,9 @@ REQUEST_LIMIT = 16 << 20
 MAX_FDS = 8
 IDLE_DEFAULT = 3600.0
 CURRENCY_CHECK = 60.0
+# A spare is forked once the server has had no request for this long: not while the
+# daemon just handed out (and containerd) need the CPU on the pod's critical path.
+SPARE_DELAY = 0.25
 SOCKET_PREFIX, SOCKET_SUFFIX = "forkserver-", ".sock"
 TEMPLATE_NAME = "cedana-template"  # comm: not counted by `pgrep containerd-shim`
 
@@ -97,15 +105,21 @@ def become_daemon(listener_fd: int, cwd: str, env: Mapping[str, str], args: Shim
 
 
 def run_forked_daemon(
-    listener_fd: int, cwd: str, env: Mapping[str, str], args: ShimArgs, stdin: bytes
+    listener_fd: int,
+    cwd: str,
+    env: Mapping[str, str],
+    args: ShimArgs,
+    stdin: bytes,
+    runner: asyncio.Runner | None = None,
 ) -> NoReturn:
-    """Body of a freshly forked daemon; never returns."""
+    """Body of a freshly forked daemon (``runner``: its event loop, made by a spare
+    before the request came); never returns."""
     code = 1
     try:
         become_daemon(listener_fd, cwd, env, args)
         from .daemon import run_daemon
 
-        code = run_daemon(args, stdin)
+        code = run_daemon(args, stdin, runner)
     except BaseException:
         _report_crash(args)
     finally:
@@ -159,10 +173,25 @@ class Template:
 
     title: tuple[str, ...] = (SHIM_NAME, "template")
     comm = TEMPLATE_NAME
+    # Keep a spare forked ahead of the next request (cli/spare.py), which runs
+    # prepare() while nobody waits.
+    keeps_spare = True
+    _runner: asyncio.Runner | None = None
 
     def warm_up(self) -> None:
         """Import everything a child needs now, so forked children start warm."""
         from . import daemon  # noqa: F401
+
+    def prepare(self) -> None:
+        """In a spare, before its request: what every child of this kind does first."""
+        from .daemon import LISTENER_FD, prepare_daemon
+
+        # become_daemon puts the listener at fd 3: /dev/null holds that number until
+        # then (when it is free), so that the loop's descriptors get other numbers.
+        placeholder = os.open(os.devnull, os.O_RDONLY)  # the lowest free number
+        if placeholder != LISTENER_FD:
+            os.close(placeholder)
+        self._runner = prepare_daemon()
 
     def check(self, request: ForkRequest) -> object:
         if len(request.fds) != 1:
@@ -174,7 +203,9 @@ class Template:
 
     def run(self, request: ForkRequest, checked: object) -> NoReturn:
         assert isinstance(checked, ShimArgs)
-        run_forked_daemon(request.fds[0], request.cwd, request.env, checked, request.stdin)
+        run_forked_daemon(
+            request.fds[0], request.cwd, request.env, checked, request.stdin, self._runner
+        )
 
 
 def template_for(kind: str) -> Template:
@@ -202,8 +233,47 @@ class _Lifecycle:
             raise SystemExit(0)
 
 
+class _Spares:
+    """At most one spare (cli/spare.py), forked between requests, for the next one."""
+
+    def __init__(self, template: Template, server: socket.socket) -> None:
+        self.template, self.server = template, server
+        self.spare: Spare | None = None
+        self._not_before = 0.0
+
+    def wanted(self) -> bool:
+        return (
+            self.template.keeps_spare
+            and self.spare is None
+            and time.monotonic() >= self._not_before
+        )
+
+    def refill(self) -> None:
+        if self.wanted():
+            try:
+                self.spare = Spare.fork(self.template, self.server)
+            except OSError:
+                # No fork now (out of processes or memory): requests are forked for
+                # as before, and the next spare is tried a while later.
+                self._not_before = time.monotonic() + CURRENCY_CHECK
+
+    def take(self) -> Spare | None:
+        spare, self.spare = self.spare, None
+        return spare
+
+    def close(self) -> None:
+        """Let the spare go (it exits); in a forked child, just drop the server's end."""
+        if self.spare is not None:
+            self.spare.close()
+            self.spare = None
+
+
 def _serve_one(
-    server: socket.socket, conn: socket.socket, fingerprint: str, template: Template
+    server: socket.socket,
+    conn: socket.socket,
+    fingerprint: str,
+    template: Template,
+    spares: _Spares,
 ) -> bool:
     """Answer one request; True when this server must retire."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -218,16 +288,22 @@ def _serve_one(
             conn.sendall(b"current" if current else b"retiring")
             return not current
         try:
-            argv, cwd, env, stdin = decode_request(first + read_all(conn, REQUEST_LIMIT))
+            data = first + read_all(conn, REQUEST_LIMIT)
+            argv, cwd, env, stdin = decode_request(data)
             request = ForkRequest(argv, cwd, env, stdin, fds, peer_pid)
             checked = template.check(request)
         except (ValueError, struct.error) as err:
             conn.sendall(f"error bad request: {err}".encode())
             return False
+        spare = spares.take()
+        if spare is not None and spare.hand(peer_pid, data, fds):
+            conn.sendall(f"pid {spare.pid}".encode())
+            return False
         pid = os.fork()
         if pid == 0:
             server.close()
             conn.close()
+            spares.close()
             template.run(request, checked)
         conn.sendall(f"pid {pid}".encode())
         return False
@@ -303,28 +379,47 @@ def _serve_forever(
     lifecycle: _Lifecycle,
     template: Template,
 ) -> None:
-    last_request = time.monotonic()
-    while True:
-        remaining = idle - (time.monotonic() - last_request)
-        if remaining <= 0:
-            return
-        server.settimeout(min(remaining, CURRENCY_CHECK))
-        try:
-            conn, _ = server.accept()
-        except TimeoutError:
-            if not is_current(fingerprint):
+    spares = _Spares(template, server)
+    try:
+        last_request = last_check = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now - last_request >= idle:
                 return
-            continue
-        lifecycle.busy = True
-        retire = False
-        try:
-            with conn, contextlib.suppress(OSError):  # one broken client must not stop us
-                retire = _serve_one(server, conn, fingerprint, template)
-        finally:
-            lifecycle.busy = False
-        if retire or lifecycle.stop_requested:
-            return
-        last_request = time.monotonic()
+            if spares.wanted() and now - last_request >= SPARE_DELAY:
+                lifecycle.busy = True
+                try:
+                    spares.refill()
+                finally:
+                    lifecycle.busy = False
+                if lifecycle.stop_requested:
+                    return
+                continue
+            wake = min(last_request + idle, last_check + CURRENCY_CHECK)
+            if spares.wanted():
+                wake = min(wake, last_request + SPARE_DELAY)
+            server.settimeout(max(wake - now, 0.001))
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                if time.monotonic() - last_check >= CURRENCY_CHECK:
+                    if not is_current(fingerprint):
+                        return
+                    last_check = time.monotonic()
+                continue
+            lifecycle.busy = True
+            retire = False
+            try:
+                with conn, contextlib.suppress(OSError):  # one broken client must not stop us
+                    retire = _serve_one(server, conn, fingerprint, template, spares)
+            finally:
+                lifecycle.busy = False
+            if retire or lifecycle.stop_requested:
+                return
+            last_request = time.monotonic()
+    finally:
+        lifecycle.busy = True  # a stop signal now must not cut the clean-up short
+        spares.close()
 
 
 def serve(path: str) -> int:

@@ -11,7 +11,12 @@ from __future__ import annotations
 import os
 import sys
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn
+
 STDIN_LIMIT = 10 << 20
+_daemon_ran = False
 
 
 def _read_stdin() -> bytes:
@@ -61,9 +66,31 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from .daemon import run_daemon
 
+        global _daemon_ran
+        _daemon_ran = True
         return run_daemon(args, b"")
     sys.stderr.write(f"containerd-shim-cedana-v2: unknown action {args.action!r}\n")
     return 2
+
+
+def launch() -> NoReturn:
+    """The launcher's entry point: :func:`main`, then exit.
+
+    The one-shot commands (``start``, ``delete``, ``-info``, ``-v``) end with
+    ``os._exit`` once their output is flushed: the interpreter's teardown would cost
+    ``start`` more instructions than all of its imports (callgrind: ~7.6 M against
+    ~6.7 M), and they leave nothing that needs it (no threads, no open files to flush).
+    The daemon started by hand exits normally.
+    """
+    code = main()
+    if _daemon_ran:
+        sys.exit(code)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        code = 120  # what the interpreter exits with when its own final flush fails
+    os._exit(code)
 
 
 if __name__ == "__main__":

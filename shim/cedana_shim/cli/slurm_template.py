@@ -24,6 +24,7 @@ class KeeperTemplate(Template):
 
     title = (TITLE, "template")
     comm = "cedana-slurm-tm"
+    keeps_spare = False  # a keeper's set-up is all its job's (runner.py)
 
     def warm_up(self) -> None:
         import socket  # noqa: F401

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from cedana_shim import __version__
+from cedana_shim.launcher import DEFAULT_MODULE, FAST_DELETE
 
 from . import registration as reg
 
@@ -99,14 +100,22 @@ def launcher_script(module: str, pyver: str) -> str:
     # -I: containerd's environment (PYTHONPATH, PYTHONHOME...) and the bundle directory
     # it runs the shim in must not change which code runs. -S and a fixed path instead
     # of site and runpy, and one fork (readlink) rather than two: containerd runs the
-    # shim's start and delete on every container's critical path.
+    # shim's start and delete on every container's critical path. The shim's `delete`
+    # after a clean delete is answered by the shell alone (cedana_shim.launcher).
+    shim = module == DEFAULT_MODULE
+    entry = (
+        f"from {module} import launch; launch()"
+        if shim
+        else (f"from {module} import main; sys.exit(main())")
+    )
     return (
         "#!/bin/sh\n"
         "# cedana-shim launcher (written by `cedana node bundle`): runs the payload's own\n"
         "# interpreter, wherever the payload is.\n"
-        'here=$(readlink -f "$0") && here=${here%/*}\n'
+        + (FAST_DELETE if shim else "")
+        + 'here=$(readlink -f "$0") && here=${here%/*}\n'
         f'exec "$here/python{pyver}" -IS -c "import sys; '
-        f'sys.path[:0] = [sys.argv.pop(1)]; from {module} import main; sys.exit(main())" '
+        f'sys.path[:0] = [sys.argv.pop(1)]; {entry}" '
         f'"$here/../lib/python{pyver}/site-packages" "$@"\n'
     )
 
