@@ -54,7 +54,7 @@ from .netinfo import network_facts, preload_network_facts
 from .oplog import PhaseClock
 from .policy import Policy
 from .rootfs_diff import capture, capture_dir, upperdir_of
-from .store import Entry, Ingest, Store
+from .store import Entry, Ingest, Store, priority
 
 if TYPE_CHECKING:
     from .remote import OnCompacted, Outbox, RemoteStore, SyncResult
@@ -108,6 +108,9 @@ class Dump:
     clock: PhaseClock = field(default_factory=PhaseClock)
     # CRIU's own figures for its part (runtime.criu_stats), for the same log line.
     criu: dict[str, float | int] = field(default_factory=dict)
+    # Established TCP connections CRIU saved (its tcp-stream images): only those
+    # need keeping open for their peers across a stop's kill.
+    tcp_streams: int = 0
 
 
 @dataclass
@@ -259,21 +262,27 @@ class Pipeline:
                 with dump.clock.phase("freeze"):
                     await target.runc.pause(target.container_id)
                 dump.frozen = True
-            with dump.clock.phase("dump"):
-                await target.runc.checkpoint(
-                    target.container_id,
-                    CheckpointOpts(
-                        image_path=criu_dir,
-                        work_path=work_dir,
-                        leave_running=True,  # CRIU leaves a frozen container frozen
-                        tcp_established=self.config.tcp_established,
-                        ext_unix_sk=True,
-                        file_locks=self.config.file_locks,
-                        shell_job=target.terminal,
-                    ),
-                )
+            # The page images' fsync and CRC run beside the dump, not after it.
+            early_seal = ingest.seal_early(criu_dir)
+            try:
+                with dump.clock.phase("dump"), priority.foreground():
+                    await target.runc.checkpoint(
+                        target.container_id,
+                        CheckpointOpts(
+                            image_path=criu_dir,
+                            work_path=work_dir,
+                            leave_running=True,  # CRIU leaves a frozen container frozen
+                            tcp_established=self.config.tcp_established,
+                            ext_unix_sk=True,
+                            file_locks=self.config.file_locks,
+                            shell_job=target.terminal,
+                        ),
+                    )
+            finally:
+                await asyncio.shield(asyncio.to_thread(early_seal.stop))
             dumped = time.monotonic()
             dump.criu = dump_stats(work_dir)
+            dump.tcp_streams = _count_tcp_streams(criu_dir)
             ingest.set_metadata(**await context)
             with dump.clock.phase("rootfs"):
                 await asyncio.to_thread(self._capture_files, target, ingest)
@@ -355,7 +364,8 @@ class Pipeline:
     async def publish(self, dump: Dump) -> Entry:
         """Make the dump durable and visible (raw, fsynced, checksummed)."""
         try:
-            return await asyncio.shield(asyncio.to_thread(self.store.publish, dump.ingest))
+            with priority.foreground():
+                return await asyncio.shield(asyncio.to_thread(self.store.publish, dump.ingest))
         except BaseException:
             with contextlib.suppress(Exception):
                 await asyncio.shield(asyncio.to_thread(self.store.abort, dump.ingest))
@@ -432,3 +442,8 @@ def _mirror(src: str, dest: str) -> None:
             os.link(source, target)
         except OSError:
             shutil.copy2(source, target)
+
+
+def _count_tcp_streams(criu_dir: str) -> int:
+    with os.scandir(criu_dir) as it:
+        return sum(1 for e in it if e.name.startswith("tcp-stream-"))

@@ -72,7 +72,7 @@ from .netinfo import tcp_can_live
 from .oplog import PhaseClock
 from .policy import FALLBACK_COLD, Policy
 from .rootfs_diff import apply, apply_dir
-from .store import Entry, Store
+from .store import Entry, Store, priority
 
 if TYPE_CHECKING:
     from .remote import RemoteCheckpoint, RemoteStore
@@ -692,7 +692,7 @@ class RestoreSession:
         with timing("hooks"):
             await self.hooks.run(Stage.PRERESTORE, state)  # an operator's veto raises
         try:
-            with timing("restore"):
+            with timing("restore"), priority.foreground():
                 pid = await self._restore(host, plan)
             if plan.gpu:
                 # Processes without their GPU state cannot run: the attempt failed.

@@ -165,7 +165,7 @@ class Checkpointing:
             init.stop_durable()
         if self.config.registry and self.config.registry_sync == "before-exit":
             await self._wait_for_push(entry)
-        if self.config.tcp_established:
+        if self.config.tcp_established and dump.tcp_streams:
             await self._silence_connections(current)
         with contextlib.suppress(NotFound):
             await current.runc.kill(self.container_id, signal.SIGKILL, all=True)

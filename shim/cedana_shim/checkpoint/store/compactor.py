@@ -33,7 +33,7 @@ from typing import IO, Any, TypeAlias, TypeVar
 
 from cedana_shim import errors
 
-from . import fsutil, gc
+from . import fsutil, gc, priority
 from .catalog import Catalog, newest_first
 from .chunks import ChunkWriter, chunk_temp_name, pool_width, split_file_list, split_files_of
 from .compress import WrittenBlob, compress_stream
@@ -69,7 +69,7 @@ OnBlob: TypeAlias = Callable[[str, int, OpenBlob], None]  # (digest, size, open_
 
 def run_niced(fn: Callable[[], T], nice: int = NICE) -> T:
     """``fn()`` in a thread of its own at nice >= ``nice``: compaction competes with
-    workloads.
+    workloads. A positive ``nice`` also counts as background work (see priority).
 
     A thread of its own, so the priority dies with it (a pool thread would keep
     it); zstd's workers, created from it, inherit it.
@@ -83,7 +83,8 @@ def run_niced(fn: Callable[[], T], nice: int = NICE) -> T:
             current = os.getpriority(os.PRIO_PROCESS, tid)
             os.setpriority(os.PRIO_PROCESS, tid, max(current, nice))
         try:
-            result.append(fn())
+            with priority.background() if nice > 0 else contextlib.nullcontext():
+                result.append(fn())
         except BaseException as err:  # re-raised in the caller's thread
             failure.append(err)
 

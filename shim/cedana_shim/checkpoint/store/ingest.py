@@ -30,6 +30,7 @@ from typing import Any, Final, Literal
 
 from cedana_shim import errors
 
+from .early_seal import EarlySealer, Prefix
 from .fsutil import opened_dir, remove_entry, write_all
 from .layout import (
     RESERVED_METADATA_KEYS,
@@ -132,6 +133,7 @@ class Ingest:
         self._metadata: dict[str, Any] = dict(metadata)
         self._layers: list[PendingLayer] = []
         self.raw_layers: set[str] = set()  # dir layers whose raw files the store caches
+        self._prefixes: dict[str, dict[str, Prefix]] = {}  # by directory: what was sealed early
         self._state: Literal["open", "committing", "closed"] = "open"
 
     def __repr__(self) -> str:
@@ -216,6 +218,16 @@ class Ingest:
             )
         staged = self._staged(name, directory)
         self._layers.append(PendingLayer(name, media_type, directory, "dir", staged))
+
+    def seal_early(self, directory: str) -> EarlySealer:
+        """Seal ``directory``'s page images while they are written (see early_seal);
+        what it read once stopped is used by the publish."""
+        directory = os.path.abspath(directory)
+        return EarlySealer(directory, keep=lambda read: self._prefixes.update({directory: read}))
+
+    def prefixes(self, directory: str) -> Mapping[str, Prefix]:
+        """What seal_early read of ``directory``'s files, by name."""
+        return MappingProxyType(self._prefixes.get(os.path.abspath(directory), {}))
 
     def keep_raw(self, name: str) -> None:
         """Keep dir layer ``name``'s raw files as the raw-image cache after compaction."""

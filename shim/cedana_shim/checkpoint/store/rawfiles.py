@@ -18,12 +18,14 @@ import stat
 import tarfile
 import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from types import MappingProxyType
 from typing import IO, Any, Final
 
 from cedana_shim import errors
 
+from .early_seal import Prefix
 from .filelist import MAX_DEPTH, FileList, RawFile, check_rel_path
 from .fsutil import open_dir, open_file, write_all
 
@@ -54,11 +56,13 @@ def crc_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=_CRC_THREADS, thread_name_prefix="cedana-crc")
 
 
-def _crc_fd(fd: int) -> tuple[int, int]:
-    """(CRC-32, size) of everything readable from ``fd``."""
+def _crc_fd(fd: int, size: int = 0, crc: int = 0) -> tuple[int, int]:
+    """(CRC-32, size) of everything readable from ``fd``, its first ``size`` bytes
+    taken as having CRC-32 ``crc``."""
     buf = bytearray(CHUNK)
     view = memoryview(buf)
-    crc = size = 0
+    if size:
+        os.lseek(fd, size, os.SEEK_SET)
     while n := os.readv(fd, [buf]):
         crc = zlib.crc32(view[:n], crc)
         size += n
@@ -113,9 +117,11 @@ def _dir_entry(rel: str, st: os.stat_result) -> RawFile:
 # -- sealing staged files in place (publish) -----------------------------------------------
 
 
-def _crc_and_close(fd: int) -> tuple[int, int]:
+def _crc_and_close(fd: int, prefix: Prefix | None) -> tuple[int, int]:
     try:
-        return _crc_fd(fd)
+        if prefix is None:
+            return _crc_fd(fd)
+        return _crc_fd(fd, prefix.size, prefix.crc)
     finally:
         os.close(fd)
 
@@ -146,8 +152,11 @@ class _Sealer:
     def _release(self, future: Future[Any]) -> None:
         self._slots.release()
 
-    def submit(self, dir_fd: int, name: str) -> tuple[os.stat_result, Future[tuple[int, int]]]:
-        """Start sealing ``name``: its stat (before chmod) and its (CRC-32, size) to come."""
+    def submit(
+        self, dir_fd: int, name: str, prefix: Prefix | None = None
+    ) -> tuple[os.stat_result, Future[tuple[int, int]]]:
+        """Start sealing ``name``: its stat (before chmod) and its (CRC-32, size) to come;
+        ``prefix``: what an EarlySealer read of it, used when it is still that file."""
         self._slots.acquire()
         self._slots.acquire()
         try:
@@ -168,7 +177,11 @@ class _Sealer:
         synced = self._pool.submit(_fsync_and_close, sync_fd)
         synced.add_done_callback(self._release)
         self._synced.append(synced)
-        checked = self._pool.submit(_crc_and_close, fd)
+        if prefix is not None and (prefix.dev, prefix.ino) != (st.st_dev, st.st_ino):
+            prefix = None
+        if prefix is not None and prefix.size > st.st_size:
+            prefix = None
+        checked = self._pool.submit(_crc_and_close, fd, prefix)
         checked.add_done_callback(self._release)
         return st, checked
 
@@ -178,8 +191,15 @@ class _Sealer:
             future.result()
 
 
-def seal_dir(dir_fd: int, pool: ThreadPoolExecutor, describe: str) -> list[RawFile]:
-    """Seal every file under ``dir_fd`` (see the module doc); their entries, in tar order."""
+def seal_dir(
+    dir_fd: int,
+    pool: ThreadPoolExecutor,
+    describe: str,
+    prefixes: Mapping[str, Prefix] = MappingProxyType({}),
+) -> list[RawFile]:
+    """Seal every file under ``dir_fd`` (see the module doc); their entries, in tar order.
+
+    ``prefixes``: what an EarlySealer read of files, by relative path."""
     sealer = _Sealer(pool)
     pending: list[tuple[RawFile, Future[tuple[int, int]] | None]] = []
     try:
@@ -188,7 +208,7 @@ def seal_dir(dir_fd: int, pool: ThreadPoolExecutor, describe: str) -> list[RawFi
             if stat.S_ISDIR(st.st_mode):
                 pending.append((_dir_entry(rel, st), None))
                 continue
-            _, checked = sealer.submit(parent, name)
+            _, checked = sealer.submit(parent, name, prefixes.get(rel))
             pending.append(
                 (RawFile(rel, "file", stat.S_IMODE(st.st_mode), int(st.st_mtime)), checked)
             )

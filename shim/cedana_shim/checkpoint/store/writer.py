@@ -190,7 +190,8 @@ class Writer(Catalog):
                     with fsutil.opened_dir(ingest._dir_fd, *parent, path=ingest.path) as fd:
                         if layer.kind == "dir":
                             with fsutil.opened_dir(fd, name, path=layer.source) as layer_fd:
-                                entries = seal_dir(layer_fd, pool, describe)
+                                prefixes = ingest.prefixes(layer.source)
+                                entries = seal_dir(layer_fd, pool, describe, prefixes)
                         else:
                             entries = [seal_file(fd, name, FILE_LAYER_NAME, pool)]
                 cache = layer.kind == "dir" and layer.name in ingest.raw_layers

@@ -1,0 +1,142 @@
+"""Sealing CRIU's page images while CRIU still writes them.
+
+A stop reports its exit only once the checkpoint is durable, and the seal at
+publish (rawfiles: every file fsynced and its CRC-32 read) used to start only
+after CRIU was done: for 1 GiB about 0.6 s of the stop, all of it after the
+dump. An EarlySealer follows a dump directory from a thread of its own while
+CRIU fills it: each pass reads what the page images (``pages-<n>.img``, the
+bulk of a dump) gained since the last one into their running CRC-32 and
+fdatasyncs them, so that the writeback runs beside the dump instead of after it.
+What it has read becomes a Prefix; the seal at publish reads only the rest of
+each file and its fsync finds little left to write.
+
+A prefix is trusted only because CRIU appends page images and never rewrites
+them; it is dropped at the seal when the file there is not the one followed
+(another inode) or is shorter than what was read. A restore checks every
+file's CRC anyway: a prefix gone wrong fails the restore, never passes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import threading
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ["EarlySealer", "Prefix", "is_page_image"]
+
+_PASS_INTERVAL_S: Final = 0.05
+_PASS_BYTES: Final = 64 << 20  # per file and pass: a stop waits for at most one pass
+_BUF: Final = 1 << 20
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """The first ``size`` bytes of the file (``dev``, ``ino``) have CRC-32 ``crc``."""
+
+    dev: int
+    ino: int
+    size: int
+    crc: int
+
+
+def is_page_image(name: str) -> bool:
+    return name.startswith("pages-") and name.endswith(".img")
+
+
+@dataclass
+class _Followed:
+    fd: int
+    dev: int
+    ino: int
+    size: int = 0
+    crc: int = 0
+    synced: int = 0
+
+
+class EarlySealer:
+    """Follows the page images in ``directory`` until stop(); see the module doc.
+
+    Errors are not raised: a file it could not follow is sealed whole at publish,
+    which reports any failure then.
+    """
+
+    def __init__(
+        self, directory: str, keep: Callable[[dict[str, Prefix]], None] = lambda _: None
+    ) -> None:
+        self._directory = directory
+        self._keep = keep
+        self._files: dict[str, _Followed] = {}
+        self._stopping = threading.Event()
+        self._buf = bytearray(_BUF)
+        self._thread = threading.Thread(target=self._run, name="cedana-early-seal", daemon=True)
+        self._thread.start()
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(f.size for f in list(self._files.values()))
+
+    def stop(self) -> None:
+        """Ends the following (after at most one pass); ``keep`` gets what it read,
+        by file name."""
+        self._stopping.set()
+        self._thread.join()
+        prefixes = {
+            name: Prefix(f.dev, f.ino, f.size, f.crc) for name, f in self._files.items() if f.size
+        }
+        for followed in self._files.values():
+            with contextlib.suppress(OSError):
+                os.close(followed.fd)
+        self._files.clear()
+        self._keep(prefixes)
+
+    def _run(self) -> None:
+        try:
+            dir_fd = os.open(self._directory, _DIR_FLAGS)
+        except OSError:
+            return
+        try:
+            while not self._stopping.wait(_PASS_INTERVAL_S):
+                self._pass(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def _pass(self, dir_fd: int) -> None:
+        with contextlib.suppress(OSError):
+            with os.scandir(dir_fd) as it:
+                names = sorted(e.name for e in it if is_page_image(e.name))
+            for name in names:
+                if self._stopping.is_set():
+                    return
+                followed = self._files.get(name) or self._open(dir_fd, name)
+                if followed is not None:
+                    self._advance(followed)
+
+    def _open(self, dir_fd: int, name: str) -> _Followed | None:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return None
+        followed = _Followed(fd, st.st_dev, st.st_ino)
+        self._files[name] = followed
+        return followed
+
+    def _advance(self, f: _Followed) -> None:
+        # Up to the size seen now: what lies below it is written (appends only).
+        end = min(os.fstat(f.fd).st_size, f.size + _PASS_BYTES)
+        view = memoryview(self._buf)
+        while f.size < end and not self._stopping.is_set():
+            n = os.preadv(f.fd, [view[: min(_BUF, end - f.size)]], f.size)
+            if n <= 0:
+                break
+            f.crc = zlib.crc32(view[:n], f.crc)
+            f.size += n
+        if f.size > f.synced:
+            os.fdatasync(f.fd)
+            f.synced = f.size

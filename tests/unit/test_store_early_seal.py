@@ -1,0 +1,129 @@
+"""Page images sealed while they are written (EarlySealer) and the publish that uses it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from cedana_shim.checkpoint.store import early_seal
+from cedana_shim.checkpoint.store.early_seal import EarlySealer, Prefix
+from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_CRIU
+from store_support import make_store
+
+PIECE = 256 << 10
+
+
+def _append_slowly(path: Path, pieces: list[bytes], gap: float = 0.01) -> threading.Thread:
+    """A writer that appends like CRIU does, a piece at a time."""
+
+    def run() -> None:
+        with open(path, "ab", buffering=0) as f:
+            for piece in pieces:
+                f.write(piece)
+                time.sleep(gap)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def _wait_until_read(sealer: EarlySealer, at_least: int) -> None:
+    deadline = time.monotonic() + 10
+    while sealer.bytes_read < at_least:
+        assert time.monotonic() < deadline, f"never read {at_least} bytes"
+        time.sleep(0.01)
+
+
+def _stopped(sealer: EarlySealer) -> dict[str, Prefix]:
+    kept: list[dict[str, Prefix]] = []
+    sealer._keep = kept.append
+    sealer.stop()
+    (prefixes,) = kept
+    return prefixes
+
+
+def test_it_reads_what_a_growing_page_image_holds_and_leaves_other_files(tmp_path: Path) -> None:
+    pieces = [os.urandom(PIECE) for _ in range(20)]
+    (tmp_path / "core-1.img").write_bytes(b"core")
+    sealer = EarlySealer(str(tmp_path))
+    _append_slowly(tmp_path / "pages-1.img", pieces).join()
+    _wait_until_read(sealer, len(pieces) * PIECE)
+    prefixes = _stopped(sealer)
+
+    data = b"".join(pieces)
+    st = (tmp_path / "pages-1.img").stat()
+    assert prefixes == {"pages-1.img": Prefix(st.st_dev, st.st_ino, len(data), zlib.crc32(data))}
+    assert sealer.bytes_read == 0  # its fds are closed
+
+
+def test_stop_returns_after_at_most_one_pass(tmp_path: Path) -> None:
+    (tmp_path / "pages-1.img").write_bytes(os.urandom(8 << 20))
+    sealer = EarlySealer(str(tmp_path))
+    started = time.monotonic()
+    sealer.stop()
+    assert time.monotonic() - started < 2.0
+
+
+def _publish_followed(tmp_path: Path, change: str) -> Prefix:
+    """A dump's page image read early, then changed by ``change``, then published:
+    the listed CRC is the file's as it is; the prefix read is returned."""
+    store = make_store(tmp_path)
+    ing = store.begin(scope="ns", label="app", metadata={"container": "c1"})
+    images = Path(ing.dir("criu"))
+    (images / "inventory.img").write_bytes(b"inv")
+    sealer = ing.seal_early(str(images))
+    pieces = [os.urandom(PIECE) for _ in range(8)]
+    _append_slowly(images / "pages-1.img", pieces).join()
+    _wait_until_read(sealer, 8 * PIECE)
+    sealer.stop()
+    (prefix,) = ing.prefixes(str(images)).values()
+    data = b"".join(pieces)
+    if change == "appended":
+        extra = os.urandom(1000)
+        with open(images / "pages-1.img", "ab") as f:
+            f.write(extra)
+        data += extra
+    elif change == "replaced":
+        data = os.urandom(len(data))
+        (images / "new").write_bytes(data)
+        os.replace(images / "new", images / "pages-1.img")
+    elif change == "truncated":
+        data = data[:PIECE]
+        os.truncate(images / "pages-1.img", PIECE)
+    ing.add_dir_layer("criu", str(images), MEDIA_TYPE_CRIU)
+    entry = store.publish(ing)
+    store.verify(entry)  # every CRC as listed matches the files as they are
+    files = store._file_list(entry, "criu")
+    assert files is not None
+    (listed,) = [f for f in files.files if f.path == "pages-1.img"]
+    assert (listed.size, listed.crc32) == (len(data), zlib.crc32(data))
+    return prefix
+
+
+def test_publish_goes_on_from_the_prefix_of_a_file_that_grew_after(tmp_path: Path) -> None:
+    assert _publish_followed(tmp_path, "appended").size == 8 * PIECE
+
+
+def test_a_prefix_of_another_inode_or_a_longer_one_is_not_used(tmp_path: Path) -> None:
+    for change in ("replaced", "truncated"):
+        assert _publish_followed(tmp_path / change, change).size == 8 * PIECE
+
+
+def test_a_pass_fdatasyncs_what_it_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[int] = []
+    real = os.fdatasync
+
+    def spy(fd: int) -> None:
+        synced.append(os.fstat(fd).st_size)
+        real(fd)
+
+    monkeypatch.setattr(early_seal.os, "fdatasync", spy)
+    (tmp_path / "pages-2.img").write_bytes(os.urandom(PIECE))
+    sealer = EarlySealer(str(tmp_path))
+    _wait_until_read(sealer, PIECE)
+    sealer.stop()
+    assert synced and synced[0] == PIECE
