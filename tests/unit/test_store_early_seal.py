@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -9,6 +10,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from cedana_shim import errors
 from cedana_shim.checkpoint.store import early_seal
 from cedana_shim.checkpoint.store.early_seal import EarlySealer, Prefix
 from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_CRIU
@@ -39,10 +41,11 @@ def _wait_until_read(sealer: EarlySealer, at_least: int) -> None:
 
 
 def _stopped(sealer: EarlySealer) -> dict[str, Prefix]:
-    kept: list[dict[str, Prefix]] = []
-    sealer._keep = kept.append
+    kept: list[tuple[dict[str, Prefix], OSError | None]] = []
+    sealer._keep = lambda read, error: kept.append((read, error))
     sealer.stop()
-    (prefixes,) = kept
+    ((prefixes, error),) = kept
+    assert error is None
     return prefixes
 
 
@@ -127,3 +130,29 @@ def test_a_pass_fdatasyncs_what_it_read(tmp_path: Path, monkeypatch: pytest.Monk
     _wait_until_read(sealer, PIECE)
     sealer.stop()
     assert synced and synced[0] == PIECE
+
+
+def test_a_failed_early_fdatasync_fails_the_publish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel reports a writeback error once per open file description: the
+    seal's fsync, on a later one, would pass over the lost pages."""
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(early_seal.os, "fdatasync", full)
+    store = make_store(tmp_path)
+    ing = store.begin(scope="ns", label="app", metadata={"container": "c1"})
+    images = Path(ing.dir("criu"))
+    (images / "pages-1.img").write_bytes(os.urandom(PIECE))
+    sealer = ing.seal_early(str(images))
+    deadline = time.monotonic() + 10
+    while sealer._error is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    sealer.stop()
+    ing.add_dir_layer("criu", str(images), MEDIA_TYPE_CRIU)
+    with pytest.raises(errors.ResourceExhausted, match="No space left"):
+        store.publish(ing)
+    assert store.list() == []

@@ -91,7 +91,9 @@ def counter_script(
         "i=0\n"
         "while :; do\n"
         "  i=$((i+1))\n"
-        '  echo "$i" > /var/count\n'
+        # Written aside and renamed: a reader (an exec'd `cat`, the rootfs diff of a
+        # freeze between the truncation and the write) never sees it empty.
+        '  echo "$i" > /var/count.new && mv /var/count.new /var/count\n'
         '  echo "tick $tok $i"\n'
         f"{each_tick}"
         f"  sleep {tick}\n"

@@ -14,6 +14,11 @@ A prefix is trusted only because CRIU appends page images and never rewrites
 them; it is dropped at the seal when the file there is not the one followed
 (another inode) or is shorter than what was read. A restore checks every
 file's CRC anyway: a prefix gone wrong fails the restore, never passes it.
+
+A failed fdatasync here must fail the publish: the kernel reports a writeback
+error once to each file description open when it happened, so the seal's own
+fsync, on a description opened after it, would succeed over lost pages. The
+first such error is handed on with the prefixes and the publish raises it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeAlias
 
 __all__ = ["EarlySealer", "Prefix", "is_page_image"]
 
@@ -59,18 +64,20 @@ class _Followed:
     synced: int = 0
 
 
+Keep: TypeAlias = Callable[[dict[str, Prefix], OSError | None], None]
+
+
 class EarlySealer:
     """Follows the page images in ``directory`` until stop(); see the module doc.
 
-    Errors are not raised: a file it could not follow is sealed whole at publish,
-    which reports any failure then.
+    A file it could not open or read is sealed whole at publish, which reports
+    any failure then; a failed fdatasync ends the following and goes to ``keep``.
     """
 
-    def __init__(
-        self, directory: str, keep: Callable[[dict[str, Prefix]], None] = lambda _: None
-    ) -> None:
+    def __init__(self, directory: str, keep: Keep = lambda _p, _e: None) -> None:
         self._directory = directory
         self._keep = keep
+        self._error: OSError | None = None
         self._files: dict[str, _Followed] = {}
         self._stopping = threading.Event()
         self._buf = bytearray(_BUF)
@@ -83,7 +90,7 @@ class EarlySealer:
 
     def stop(self) -> None:
         """Ends the following (after at most one pass); ``keep`` gets what it read,
-        by file name."""
+        by file name, and the fdatasync error that ended it if one did."""
         self._stopping.set()
         self._thread.join()
         prefixes = {
@@ -93,7 +100,7 @@ class EarlySealer:
             with contextlib.suppress(OSError):
                 os.close(followed.fd)
         self._files.clear()
-        self._keep(prefixes)
+        self._keep(prefixes, self._error)
 
     def _run(self) -> None:
         try:
@@ -101,7 +108,7 @@ class EarlySealer:
         except OSError:
             return
         try:
-            while not self._stopping.wait(_PASS_INTERVAL_S):
+            while self._error is None and not self._stopping.wait(_PASS_INTERVAL_S):
                 self._pass(dir_fd)
         finally:
             os.close(dir_fd)
@@ -111,7 +118,7 @@ class EarlySealer:
             with os.scandir(dir_fd) as it:
                 names = sorted(e.name for e in it if is_page_image(e.name))
             for name in names:
-                if self._stopping.is_set():
+                if self._stopping.is_set() or self._error is not None:
                     return
                 followed = self._files.get(name) or self._open(dir_fd, name)
                 if followed is not None:
@@ -138,5 +145,9 @@ class EarlySealer:
             f.crc = zlib.crc32(view[:n], f.crc)
             f.size += n
         if f.size > f.synced:
-            os.fdatasync(f.fd)
+            try:
+                os.fdatasync(f.fd)
+            except OSError as err:
+                self._error = err
+                raise
             f.synced = f.size

@@ -133,7 +133,8 @@ class Ingest:
         self._metadata: dict[str, Any] = dict(metadata)
         self._layers: list[PendingLayer] = []
         self.raw_layers: set[str] = set()  # dir layers whose raw files the store caches
-        self._prefixes: dict[str, dict[str, Prefix]] = {}  # by directory: what was sealed early
+        # By directory: what seal_early read, and the fdatasync error that ended it.
+        self._prefixes: dict[str, tuple[dict[str, Prefix], OSError | None]] = {}
         self._state: Literal["open", "committing", "closed"] = "open"
 
     def __repr__(self) -> str:
@@ -223,11 +224,19 @@ class Ingest:
         """Seal ``directory``'s page images while they are written (see early_seal);
         what it read once stopped is used by the publish."""
         directory = os.path.abspath(directory)
-        return EarlySealer(directory, keep=lambda read: self._prefixes.update({directory: read}))
+
+        def keep(read: dict[str, Prefix], error: OSError | None) -> None:
+            self._prefixes[directory] = (read, error)
+
+        return EarlySealer(directory, keep)
 
     def prefixes(self, directory: str) -> Mapping[str, Prefix]:
-        """What seal_early read of ``directory``'s files, by name."""
-        return MappingProxyType(self._prefixes.get(os.path.abspath(directory), {}))
+        """What seal_early read of ``directory``'s files, by name; raises the
+        fdatasync error that ended it (the seal's own fsync would not see it)."""
+        read, error = self._prefixes.get(os.path.abspath(directory), ({}, None))
+        if error is not None:
+            raise error
+        return MappingProxyType(read)
 
     def keep_raw(self, name: str) -> None:
         """Keep dir layer ``name``'s raw files as the raw-image cache after compaction."""
