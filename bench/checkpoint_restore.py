@@ -899,6 +899,20 @@ def main() -> int:
     def criu_cell(key: str, s: Summary) -> str:
         return cell(s, "", 0) if key.startswith("pages") else cell(s, "s", 3)
 
+    def criu_rows(stats: dict[str, tuple[Summary, Summary]], source: str) -> list[list[str]]:
+        """One row per CRIU figure both sides reported."""
+        return [
+            [
+                f"    CRIU {key.removesuffix('_s').replace('_', ' ')}",
+                criu_cell(key, c),
+                criu_cell(key, r),
+                f"{ratio(c.median, r.median):.2f}" if r.median else "",
+                f"({source})",
+            ]
+            for key, (c, r) in stats.items()
+            if c.n and r.n
+        ]
+
     print_table(
         ["measure", "cedana", "runc", "cedana/runc", "target"],
         [
@@ -916,17 +930,7 @@ def main() -> int:
                 f"{ratio(shim_dump.median, ckpt_r.median):.2f}",
                 "(shim log: its runc call)",
             ],
-            *(
-                [
-                    f"    CRIU {key.removesuffix('_s').replace('_', ' ')}",
-                    criu_cell(key, c),
-                    criu_cell(key, r),
-                    f"{ratio(c.median, r.median):.2f}" if r.median else "",
-                    "(stats-dump)",
-                ]
-                for key, (c, r) in criu_dump.items()
-                if c.n and r.n
-            ),
+            *criu_rows(criu_dump, "stats-dump"),
             [
                 "    until committed",
                 cell(commit_c),
@@ -942,17 +946,7 @@ def main() -> int:
                 f"{rest_ratio:.2f}",
                 f"<= {TARGET_RATIO}: {verdict(rest_ratio, TARGET_RATIO)}",
             ],
-            *(
-                [
-                    f"    CRIU {key.removesuffix('_s').replace('_', ' ')}",
-                    criu_cell(key, c),
-                    criu_cell(key, r),
-                    f"{ratio(c.median, r.median):.2f}" if r.median else "",
-                    "(stats-restore)",
-                ]
-                for key, (c, r) in criu_restore.items()
-                if c.n and r.n
-            ),
+            *criu_rows(criu_restore, "stats-restore"),
             [
                 "    until shim Create done",
                 cell(shim_created),

@@ -238,24 +238,21 @@ def main() -> int:
             [name, str(len(samples)), ",".join(map(str, daemons)), cell("rss"), cell("pss"),
              cell("uss")]
         )  # fmt: skip
-    fs_samples = [m["forkserver"] for m in measured["cedana"] if m["forkserver"]]
-    if fs_samples:
-        fs = {k: summarize([f[k] / MB for f in fs_samples]) for k in ("rss", "pss", "uss")}
-        summary["cedana fork server itself"] = {k + "_mb": v.as_dict(2) for k, v in fs.items()}
+    for key, name, label in (
+        ("forkserver", "cedana fork server itself", "(cedana fork server itself)"),
+        ("spare", "cedana fork server's spare", "(its spare, the next daemon)"),
+    ):
+        procs = [m[key] for m in measured["cedana"] if m.get(key)]
+        if not procs:
+            continue
+        per = {k: summarize([f[k] / MB for f in procs]) for k in ("rss", "pss", "uss")}
+        summary[name] = {k + "_mb": v.as_dict(2) for k, v in per.items()}
         rows.append(
-            ["(cedana fork server itself)", str(len(fs_samples)), "-",
-             f"{fs['rss'].median:.1f}", f"{fs['pss'].median:.1f}", f"{fs['uss'].median:.1f}"]
+            [label, str(len(procs)), "-",
+             *(f"{per[k].median:.1f}" for k in ("rss", "pss", "uss"))]
         )  # fmt: skip
-    else:
+    if not any(m["forkserver"] for m in measured["cedana"]):
         report.notes.append("no cedana daemon was a child of a fork server: all took the cold path")
-    spare_samples = [m["spare"] for m in measured["cedana"] if m.get("spare")]
-    if spare_samples:
-        sp = {k: summarize([f[k] / MB for f in spare_samples]) for k in ("rss", "pss", "uss")}
-        summary["cedana fork server's spare"] = {k + "_mb": v.as_dict(2) for k, v in sp.items()}
-        rows.append(
-            ["(its spare, the next daemon)", str(len(spare_samples)), "-",
-             f"{sp['rss'].median:.1f}", f"{sp['pss'].median:.1f}", f"{sp['uss'].median:.1f}"]
-        )  # fmt: skip
     cold = len(groups.get("cedana (cold path)", []))
     if cold:
         report.notes.append(

@@ -17,10 +17,10 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from cedana_shim import errors
@@ -36,28 +36,13 @@ from cedana_shim.runtime.runc import (
     Stdio,
     read_pid_file,
 )
+from support.processes import run_with_reaper
 
-T = TypeVar("T")
 PR_SET_CHILD_SUBREAPER = 36
 BUSYBOX = "/bin/busybox"
 APPLETS = ("sh", "sleep", "echo", "cat", "true")
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.05; done"
 TEST_TIMEOUT = 40.0
-
-
-def run_with_reaper(fn: Callable[[Reaper], Coroutine[Any, Any, T]]) -> T:
-    """Run ``fn`` in a fresh loop whose SIGCHLD belongs to a Reaper."""
-
-    async def main() -> T:
-        reaper = Reaper()
-        reaper.install()
-        try:
-            async with asyncio.timeout(TEST_TIMEOUT):
-                return await fn(reaper)
-        finally:
-            reaper.close()
-
-    return asyncio.run(main())
 
 
 class Exits:
@@ -202,7 +187,7 @@ def test_lifecycle(host: Host) -> None:
         finally:
             await r.delete(cid, force=True)
 
-    run_with_reaper(body)
+    run_with_reaper(body, timeout=TEST_TIMEOUT)
 
 
 def test_exit_code(host: Host) -> None:
@@ -222,7 +207,7 @@ def test_exit_code(host: Host) -> None:
         finally:
             await r.delete(cid, force=True)
 
-    run_with_reaper(body)
+    run_with_reaper(body, timeout=TEST_TIMEOUT)
 
 
 def test_errors_come_from_this_calls_log(host: Host) -> None:
@@ -243,7 +228,7 @@ def test_errors_come_from_this_calls_log(host: Host) -> None:
         finally:
             await r.delete(cid, force=True)
 
-    run_with_reaper(body)
+    run_with_reaper(body, timeout=TEST_TIMEOUT)
 
 
 def test_duplicate_create_is_already_exists(host: Host) -> None:
@@ -260,7 +245,7 @@ def test_duplicate_create_is_already_exists(host: Host) -> None:
         finally:
             await r.delete(cid, force=True)
 
-    run_with_reaper(body)
+    run_with_reaper(body, timeout=TEST_TIMEOUT)
 
 
 def test_exec_with_stdio_and_update(host: Host) -> None:
@@ -299,7 +284,7 @@ def test_exec_with_stdio_and_update(host: Host) -> None:
             await r.delete(cid, force=True)
 
     try:
-        run_with_reaper(body)
+        run_with_reaper(body, timeout=TEST_TIMEOUT)
     finally:
         os.close(out_r)
         if out_w >= 0:
@@ -337,7 +322,7 @@ def test_terminal_through_console_socket(host: Host) -> None:
         finally:
             await r.delete(cid, force=True)
 
-    run_with_reaper(body)
+    run_with_reaper(body, timeout=TEST_TIMEOUT)
 
 
 def test_checkpoint_and_restore_continue_the_counter(host: Host) -> None:
@@ -401,7 +386,7 @@ def test_checkpoint_and_restore_continue_the_counter(host: Host) -> None:
         finally:
             await r.delete(cid, force=True)
 
-    run_with_reaper(body)
+    run_with_reaper(body, timeout=TEST_TIMEOUT)
 
 
 def test_checkpoint_of_a_missing_container(host: Host) -> None:
@@ -415,4 +400,4 @@ def test_checkpoint_of_a_missing_container(host: Host) -> None:
             )
         assert not (bundle / "criu-dump.log").exists()
 
-    run_with_reaper(body)
+    run_with_reaper(body, timeout=TEST_TIMEOUT)

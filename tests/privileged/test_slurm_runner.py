@@ -34,6 +34,7 @@ from cedana_shim.cli.paths import code_fingerprint, forkserver_socket_path
 from cedana_shim.cli.slurm_task import KIND
 from cedana_shim.slurm import cgroups
 from cedana_shim.slurm.control import RUN_DIR, request, socket_path
+from support.processes import proc_stats
 
 CLUSTER = "testcluster"
 ROOT_SCOPE = f"slurm-{CLUSTER}-root"
@@ -114,15 +115,8 @@ class Node:
 
 def descendants(top: int) -> list[int]:
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
+    for pid, fields in proc_stats():
+        children.setdefault(int(fields[1]), []).append(pid)
     found, todo = [], [top]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -147,27 +141,19 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "
 
 def processes_of(job: Job) -> list[int]:
     """Every process whose command line names this job (runner, keeper, job)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if job.job_id.encode() in cmdline or f"slurm-{job.name}".encode() in cmdline:
-                found.append(int(entry))
-    return found
+    return job_processes(job.job_id, f"slurm-{job.name}")
 
 
-def job_processes(marker: str) -> list[int]:
+def job_processes(*markers: str) -> list[int]:
+    """Every process whose command line holds one of ``markers``."""
     found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    found.append(int(entry))
-            except OSError:
-                continue
+    for pid, _ in proc_stats():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if any(m.encode() in cmdline for m in markers):
+            found.append(pid)
     return found
 
 

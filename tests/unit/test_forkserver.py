@@ -31,6 +31,7 @@ from cedana_shim.cli.fork_client import (
 from cedana_shim.cli.paths import code_fingerprint
 from cedana_shim.cli.proctitle import SHIM_NAME
 from cedana_shim.cli.spare import SPARE_NAME
+from support.processes import proc_stats
 
 PACKAGE = Path(forkserver.__file__).resolve().parents[1]  # .../cedana_shim
 
@@ -398,18 +399,11 @@ def test_a_servers_kind_and_fingerprint_are_in_its_socket_name() -> None:
 
 
 def spares_of(server: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == server and alive(int(entry)) and comm_of(int(entry)) == SPARE_NAME:
-            found.append(int(entry))
-    return found
+    return [
+        pid
+        for pid, fields in proc_stats()
+        if int(fields[1]) == server and alive(pid) and comm_of(pid) == SPARE_NAME
+    ]
 
 
 def test_a_server_keeps_a_spare_that_becomes_the_next_daemon(

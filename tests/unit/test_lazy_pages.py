@@ -11,17 +11,15 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from cedana_shim.bundle_state import criu_group_is_lazy, read_criu_group
 from cedana_shim.runtime.lazy_pages import LazyPagesFailed
 from cedana_shim.runtime.reaper import Reaper
 from cedana_shim.runtime.runc import RestoreOpts, Runc, RuncError
-
-T = TypeVar("T")
+from support.processes import run_with_reaper
 
 # Told what to do by <dir>/criu.json: {"before_ready": "exit"|"hang", "after": "exit0"|
 # "exit1"|"hang", "status": N}. Records its argv, pid and pgid; exits 0 once <dir>/done
@@ -131,18 +129,6 @@ class World:
 @pytest.fixture
 def world(tmp_path: Path) -> World:
     return World(tmp_path)
-
-
-def run_with_reaper(fn: Callable[[Reaper], Coroutine[Any, Any, T]]) -> T:
-    async def main() -> T:
-        reaper = Reaper()
-        reaper.install()
-        try:
-            return await fn(reaper)
-        finally:
-            reaper.close()
-
-    return asyncio.run(main())
 
 
 def alive(pid: int) -> bool:

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,24 +31,14 @@ from cedana_shim.cli.args import ShimArgs
 from cedana_shim.runtime.pgroup import has_live_members, is_same_group, kill_criu_group, start_time
 from cedana_shim.runtime.reaper import Reaper
 from cedana_shim.runtime.runc import CheckpointOpts, RestoreOpts, Runc, RuncError
+from support.processes import proc_stats, run_with_reaper
 
 # -- helpers ------------------------------------------------------------------------------
 
 
 def group_members(pgid: int) -> set[int]:
     """Live (not zombie) processes of group ``pgid``, from /proc."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            found.add(int(entry))
-    return found
+    return {pid for pid, f in proc_stats() if int(f[2]) == pgid and f[0] not in ("Z", "X")}
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 10.0) -> None:
@@ -230,18 +220,6 @@ class FakeRunc:
 
     def runc_logging_to_bundle(self, reaper: Reaper, **kwargs: Any) -> Runc:
         return self.runc(reaper, log_path=str(self.bundle / "log.json"), **kwargs)
-
-
-def run_with_reaper(body: Callable[[Reaper], Awaitable[None]]) -> None:
-    async def main() -> None:
-        reaper = Reaper()
-        reaper.install()
-        try:
-            await body(reaper)
-        finally:
-            reaper.close()
-
-    asyncio.run(main())
 
 
 def test_restore_runs_in_its_own_group_recorded_while_it_runs(tmp_path: Path) -> None:

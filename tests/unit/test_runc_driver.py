@@ -10,9 +10,8 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from cedana_shim import errors
@@ -33,8 +32,7 @@ from cedana_shim.runtime.runc import (
     classify,
     read_pid_file,
 )
-
-T = TypeVar("T")
+from support.processes import run_with_reaper
 
 FAKE_RUNC = r"""#!{python}
 import json, os, signal, socket, sys, time
@@ -93,20 +91,6 @@ sys.stderr.flush()
 time.sleep(control.get("sleep", 0))
 sys.exit(control.get("exit", 0))
 """
-
-
-def run_with_reaper(fn: Callable[[Reaper], Coroutine[Any, Any, T]]) -> T:
-    """Run ``fn`` in a fresh loop whose SIGCHLD belongs to a Reaper."""
-
-    async def main() -> T:
-        reaper = Reaper()
-        reaper.install()
-        try:
-            return await fn(reaper)
-        finally:
-            reaper.close()
-
-    return asyncio.run(main())
 
 
 class Fake:
