@@ -177,10 +177,10 @@ class _Sealer:
         synced = self._pool.submit(_fsync_and_close, sync_fd)
         synced.add_done_callback(self._release)
         self._synced.append(synced)
-        if prefix is not None and (prefix.dev, prefix.ino) != (st.st_dev, st.st_ino):
-            prefix = None
-        if prefix is not None and prefix.size > st.st_size:
-            prefix = None
+        if prefix is not None and (
+            (prefix.dev, prefix.ino) != (st.st_dev, st.st_ino) or prefix.size > st.st_size
+        ):
+            prefix = None  # not the file that was followed, or not all of it is left
         checked = self._pool.submit(_crc_and_close, fd, prefix)
         checked.add_done_callback(self._release)
         return st, checked
