@@ -28,9 +28,8 @@ from ..bundle_state import (
     BundleState,
     clear_criu_group,
     clear_stopping,
-    criu_group_is_lazy,
     criu_root,
-    read_criu_group,
+    read_criu_group_mark,
     read_deleted,
     read_stopping,
 )
@@ -130,13 +129,13 @@ def _read_pid(bundle: str) -> int:
 def _stop_criu(state: BundleState, bundle: str, container_id: str) -> None:
     """Kill the ``runc restore`` or ``runc checkpoint`` a dead daemon left running, or
     the lazy-pages daemon of a lazy restore (which that group is then)."""
-    record = read_criu_group(bundle)
+    record = read_criu_group_mark(bundle)
     if record is None:
         return
     from ..runtime.pgroup import is_same_group, kill_criu_group
 
-    pgid, leader_start = record
-    if criu_group_is_lazy(bundle) and is_same_group(pgid, leader_start):
+    pgid, leader_start, lazy = record
+    if lazy and is_same_group(pgid, leader_start):
         # A lazy-pages daemon is its restored tasks' memory: once it dies their pages not
         # yet in read as zeros. So the group is frozen, the tasks (done restoring: runc
         # knows them) killed, and only then the group.
