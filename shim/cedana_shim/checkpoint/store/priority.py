@@ -8,8 +8,9 @@ nice 10 in one daemon still got as much CPU as the CRIU restore another daemon
 ran beside it for the next container of the label. So while this process runs
 background work and no foreground work (a dump, a restore), its autogroup is at
 nice 19 as well; the old value comes back as soon as either changes. Where the
-kernel has no autogroups the file is absent and only the thread's nice counts;
-without CAP_SYS_NICE (needed to raise it back) the autogroup is left alone.
+kernel has no autogroups the file is absent, and it is empty for a process outside
+the root cpu cgroup (a daemon run inside a container): then only the thread's nice
+counts. Without CAP_SYS_NICE (needed to raise it back) the autogroup is left alone.
 """
 
 from __future__ import annotations
