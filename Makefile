@@ -46,8 +46,11 @@ check:
 
 # Runs as any user: tests that need root live in tests/privileged.
 # Root-free; one worker per core (the task tests wait on real processes).
+# EXAMPLES=quick (the inner loop): property tests draw a fifth of their examples;
+# `make test` draws them all (tests/support/examples.py).
+EXAMPLES ?= quick
 unit:
-	$(BIN)/pytest tests/unit -n auto $(PYTEST_ARGS)
+	CEDANA_TEST_EXAMPLES=$(EXAMPLES) $(BIN)/pytest tests/unit -n auto $(PYTEST_ARGS)
 
 # Root: tests/privileged (real mounts, cgroups, namespaces, runc and CRIU driven
 # directly) and tests/integration (containerd).
@@ -58,7 +61,7 @@ integration:
 test:
 	$(MAKE) --no-print-directory setup
 	$(MAKE) --no-print-directory check
-	$(MAKE) --no-print-directory unit
+	$(MAKE) --no-print-directory unit EXAMPLES=all
 	$(MAKE) --no-print-directory integration
 
 # README's first command: set this machine up as a node, then show the whole story.

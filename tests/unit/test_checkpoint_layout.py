@@ -28,6 +28,7 @@ from cedana_shim.checkpoint.store.layout import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.examples import examples
 
 json_values = st.recursive(
     st.none()
@@ -94,7 +95,7 @@ def only_data_loss(parse: Any, *args: Any) -> None:
         parse(*args)
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), suppress_health_check=[HealthCheck.too_slow])
 @given(json_values)
 def test_any_json_document_is_parsed_or_data_loss(value: Any) -> None:
     data = json.dumps(value).encode()
@@ -114,14 +115,14 @@ def test_any_json_document_is_parsed_or_data_loss(value: Any) -> None:
     only_data_loss(layout.parse_layout_file, data, "oci-layout")
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(st.binary(max_size=200))
 def test_any_bytes_are_parsed_or_data_loss(data: bytes) -> None:
     only_data_loss(layout.parse_index, data, "index.json")
     only_data_loss(layout.parse_manifest, data, "manifest")
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(
     st.lists(st.one_of(checkpoint_descriptors(), foreign_descriptors()), max_size=6).filter(
         lambda ds: (
@@ -143,7 +144,7 @@ def test_index_round_trips(descriptors: list[Descriptor]) -> None:
         assert ref.created_at == layout.parse_created(ref.created)
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(st.lists(checkpoint_descriptors(), min_size=1, max_size=3), st.data())
 def test_any_single_corruption_of_a_valid_index_is_caught_or_harmless(
     descriptors: list[Descriptor], data: st.DataObject

@@ -25,6 +25,7 @@ from cedana_shim.gpu.inventory import GpuProcess
 from cedana_shim.gpu.orchestrator import Frozen, freeze, thaw
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.examples import examples
 
 PIDS = [101, 102, 103, 104, 105, 106]
 GIB = 1 << 30
@@ -294,7 +295,7 @@ def freeze_case(draw: st.DrawFn) -> tuple[int, tuple[int, Step, Failure], list[t
     return n, primary, extra
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(freeze_case())
 def test_any_failure_during_freeze_leaves_every_process_running(
     case: tuple[int, tuple[int, Step, Failure], list[tuple[int, Step, Failure]]],
@@ -326,7 +327,7 @@ def thaw_case(draw: st.DrawFn) -> tuple[int, tuple[int, Step, Failure]]:
     return n, draw(failure_at(n, [Step.STATE, Step.RESTORE, Step.UNLOCK]))
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(thaw_case(), st.booleans())
 def test_one_failure_during_thaw_is_retried_and_every_process_runs(
     case: tuple[int, tuple[int, Step, Failure]], with_map: bool

@@ -22,6 +22,7 @@ from cedana_shim.hooks.config import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.examples import examples
 
 SRC = "/etc/cedana/hooks.d/50-x.json"
 BASE: dict[str, Any] = {
@@ -335,13 +336,13 @@ def check_parse(data: str | bytes) -> None:
     assert config.hook.timeout is None or config.hook.timeout > 0
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(near_valid)
 def test_parser_never_crashes_on_documents(doc: dict[str, Any]) -> None:
     check_parse(json.dumps(doc))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.binary(max_size=200) | st.text(max_size=200))
 def test_parser_never_crashes_on_bytes(data: bytes | str) -> None:
     check_parse(data)

@@ -13,6 +13,7 @@ from cedana_shim.launcher import launcher_text, write_launcher
 from cedana_shim.wire import delete_response
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.examples import examples
 
 # Shells the launcher must behave the same under: what /bin/sh is here (dash on
 # Debian) and bash, which is /bin/sh elsewhere.
@@ -139,7 +140,7 @@ def test_a_mark_the_shell_cannot_vouch_for_goes_to_python(
     assert run(shell, shim, argv, cwd=tmp_path) == python_called_with(shim, argv)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(
     pid=st.integers(0, 2**31 - 1),
     status=st.integers(0, 255),

@@ -70,6 +70,10 @@ class FakeApiServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            # Headers and body leave in two writes: with Nagle each reply would wait out
+            # the client's delayed ACK (40 ms a request).
+            disable_nagle_algorithm = True
+
             def log_message(self, *args: Any) -> None:
                 pass
 

@@ -117,6 +117,10 @@ class StandIn:
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
+            # Headers and body leave in two writes: with Nagle each reply would wait out
+            # the client's delayed ACK (40 ms a request).
+            disable_nagle_algorithm = True
+
             def log_message(self, *args: Any) -> None:
                 pass
 
@@ -152,7 +156,9 @@ class StandIn:
                                  "metadata": {"name": parts[6], "uid": uid}})  # fmt: skip
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
         self.thread.start()
 
     @property

@@ -50,6 +50,9 @@ class FakeRegistry:
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            # Headers and body leave in two writes: with Nagle each reply would wait out
+            # the client's delayed ACK (40 ms a request).
+            disable_nagle_algorithm = True
             protocol_version = "HTTP/1.1"
 
             def log_message(self, format: str, *args: object) -> None:

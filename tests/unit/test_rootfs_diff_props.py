@@ -14,6 +14,7 @@ from cedana_shim import errors
 from cedana_shim.checkpoint.rootfs_diff import apply_dir, capture_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.examples import examples
 from support.rootfs_diff import snapshot
 
 _SAMPLE: bytes | None = None
@@ -34,7 +35,7 @@ def _sample_archive(tmp: Path) -> bytes:
     return _SAMPLE
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4)
 )

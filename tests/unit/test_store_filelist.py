@@ -24,6 +24,7 @@ from cedana_shim.checkpoint.store.filelist import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.examples import examples
 
 json_values = st.recursive(
     st.none()
@@ -75,21 +76,21 @@ def assert_safe(files: FileList) -> None:
             seen_dirs.add(f.path)
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(st.binary(max_size=300))
 def test_any_bytes_are_a_file_list_or_data_loss(data: bytes) -> None:
     with contextlib.suppress(errors.DataLoss):
         assert_safe(parse_file_list(data, "file list"))
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), suppress_health_check=[HealthCheck.too_slow])
 @given(json_values)
 def test_any_json_document_is_a_file_list_or_data_loss(value: Any) -> None:
     with contextlib.suppress(errors.DataLoss):
         assert_safe(parse_file_list(json.dumps(value).encode(), "file list"))
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(file_lists())
 def test_what_the_store_writes_reads_back_the_same(files: FileList) -> None:
     parsed = parse_file_list(dump_file_list(files), "file list")
@@ -97,7 +98,7 @@ def test_what_the_store_writes_reads_back_the_same(files: FileList) -> None:
     assert_safe(parsed)
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), suppress_health_check=[HealthCheck.too_slow])
 @given(file_lists().filter(lambda f: bool(f.files)), st.data())
 def test_any_single_corruption_is_caught_or_harmless(files: FileList, data: st.DataObject) -> None:
     doc = json.loads(dump_file_list(files))

@@ -28,6 +28,7 @@ from cedana_shim.ttrpc.codec import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.examples import examples
 
 Event = Frame | OversizedFrame
 
@@ -338,7 +339,7 @@ def decode_outcome(
     return events, False
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.data(), wire_bytes(), st.sampled_from([16, MESSAGE_LENGTH_MAX]), st.booleans())
 def test_arbitrary_bytes_yield_events_or_protocol_error(
     data: st.DataObject, wire: bytes, max_length: int, eof: bool
@@ -364,7 +365,7 @@ frames = st.builds(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.data(), st.lists(frames, max_size=10))
 def test_round_trip(data: st.DataObject, sent: list[Frame]) -> None:
     wire = b"".join(encode_frame(f) for f in sent)
