@@ -443,23 +443,28 @@ def rewrite_tenth(pid: int, what: str) -> str:
 
 def one_run(i: int, local: Node, a: Node, b: Node, mib: int) -> dict[str, Any]:
     label = f"bench-xn-{a.bench.marker[:8]}-{i}"
+
+    def cid(role: str) -> str:
+        # This run's own ids: a run killed midway leaves its runc state behind.
+        return f"xn-{a.bench.marker[:8]}-{i}-{role}"
+
     swap = i % 2 == 1
     out: dict[str, Any] = {"label": label, "first": "local" if swap else "registry"}
     before: dict[str, Any] = {}
 
     def stop_on_a() -> None:
-        pid = a.start_filled(f"xn-{i}-a", label)
+        pid = a.start_filled(cid("a"), label)
         settle()
         before["a"] = read_beat(pid)
-        out["stop_registry"] = a.timed_stop(f"xn-{i}-a", pid)
-        a.side.ctr.remove(f"xn-{i}-a")
+        out["stop_registry"] = a.timed_stop(cid("a"), pid)
+        a.side.ctr.remove(cid("a"))
 
     def stop_on_local() -> None:
-        cid, local_label = f"xn-{i}-l", f"{label}-local"
-        pid = local.start_filled(cid, local_label)
+        container, local_label = cid("l"), f"{label}-local"
+        pid = local.start_filled(container, local_label)
         settle()
-        out["stop_local"] = local.timed_stop(cid, pid)
-        local.side.ctr.remove(cid)
+        out["stop_local"] = local.timed_stop(container, pid)
+        local.side.ctr.remove(container)
         local.forget(local_label)
 
     for step in (stop_on_local, stop_on_a) if swap else (stop_on_a, stop_on_local):
@@ -467,12 +472,12 @@ def one_run(i: int, local: Node, a: Node, b: Node, mib: int) -> dict[str, Any]:
 
     def restore_on_a() -> None:
         settle(RESTORE_GAP)
-        out["restore_local"] = a.timed_restore(f"xn-{i}-ra", label, before["a"], mib)
+        out["restore_local"] = a.timed_restore(cid("ra"), label, before["a"], mib)
 
     def restore_on_b() -> None:
         settle(RESTORE_GAP)
-        out["restore_pulled"] = b.timed_restore(f"xn-{i}-rb", label, before["a"], mib)
-        b.side.ctr.remove(f"xn-{i}-rb")
+        out["restore_pulled"] = b.timed_restore(cid("rb"), label, before["a"], mib)
+        b.side.ctr.remove(cid("rb"))
         b.forget(label)
 
     for step in (restore_on_b, restore_on_a) if swap else (restore_on_a, restore_on_b):
@@ -481,11 +486,11 @@ def one_run(i: int, local: Node, a: Node, b: Node, mib: int) -> dict[str, Any]:
     # (d): the container restored on A changes a tenth of its memory and stops again.
     pid = int(out["restore_local"].pop("pid"))
     out["restore_pulled"].pop("pid")
-    out["rewrote"] = rewrite_tenth(pid, f"A: container xn-{i}-ra")
+    out["rewrote"] = rewrite_tenth(pid, f"A: container {cid('ra')}")
     wait_until("a heartbeat after the rewrite", lambda: read_beat(pid), 10)
     settle()
-    out["stop_after_rewrite"] = a.timed_stop(f"xn-{i}-ra", pid)
-    a.side.ctr.remove(f"xn-{i}-ra")
+    out["stop_after_rewrite"] = a.timed_stop(cid("ra"), pid)
+    a.side.ctr.remove(cid("ra"))
     a.forget(label)
     first = out["stop_registry"]["uploaded_bytes"]
     out["delta_ratio"] = ratio(out["stop_after_rewrite"]["uploaded_bytes"], first)

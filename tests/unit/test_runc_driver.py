@@ -144,6 +144,7 @@ def test_argv_per_verb(fake: Fake) -> None:
             ),
         )
         await r.create("c2", CreateOpts(b))
+        await r.run("c3", CreateOpts(b, pid_file=f"{b}/init.pid"))
         await r.start("c1")
         await r.kill("c1", signal.SIGKILL, all=True)
         await r.kill("c1", 15)
@@ -165,6 +166,7 @@ def test_argv_per_verb(fake: Fake) -> None:
     assert argvs == [
         [*g, "create", "--bundle", b, *create, "--no-pivot", "--no-new-keyring", "c1"],
         [*g, "create", "--bundle", b, "c2"],
+        [*g, "run", "--detach", "--bundle", b, "--pid-file", f"{b}/init.pid", "c3"],
         [*g, "start", "c1"],
         [*g, "kill", "--all", "c1", "9"],
         [*g, "kill", "c1", "15"],
@@ -176,7 +178,7 @@ def test_argv_per_verb(fake: Fake) -> None:
         [*g, "update", "--resources", "-", "c1"],
         [*g, "state", "c1"],
     ]
-    assert fake.calls()[10]["stdin"] == '{"pids":{"limit":5}}'
+    assert fake.calls()[11]["stdin"] == '{"pids":{"limit":5}}'
 
 
 def test_global_flags(fake: Fake) -> None:
@@ -524,8 +526,9 @@ def test_missing_binary_is_internal(tmp_path: Path) -> None:
         run_with_reaper(body)
 
 
-def test_stdio_is_inherited_by_create(fake: Fake) -> None:
-    fake.control(create={"stdout": "to-container-stdout", "stderr": "to-container-stderr"})
+@pytest.mark.parametrize("verb", ["create", "run"])
+def test_stdio_is_inherited_by_create(fake: Fake, verb: str) -> None:
+    fake.control(**{verb: {"stdout": "to-container-stdout", "stderr": "to-container-stderr"}})
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -534,7 +537,7 @@ def test_stdio_is_inherited_by_create(fake: Fake) -> None:
 
     async def body(reaper: Reaper) -> None:
         opts = CreateOpts(str(fake.bundle), stdio=Stdio(in_r, out_w, err_w))
-        await fake.runc(reaper).create("c1", opts)
+        await getattr(fake.runc(reaper), verb)("c1", opts)
 
     try:
         run_with_reaper(body)

@@ -175,14 +175,13 @@ class JobHost:
     async def create_cold(self) -> int:
         io = self._fresh_io()
         try:
-            await self.runc.create(
+            await self.runc.run(
                 self.container_id,
                 CreateOpts(bundle=self.bundle, pid_file=self._pid_file(), stdio=io.stdio),
             )
         finally:
             io.handed_over()
         self.pid = read_pid_file(self._pid_file())
-        await self.runc.start(self.container_id)
         return self.pid
 
     # -- the pipeline's view -------------------------------------------------------------

@@ -34,7 +34,7 @@ from cedana_shim.cli.paths import code_fingerprint, forkserver_socket_path
 from cedana_shim.cli.slurm_task import KIND
 
 from .config import SHIM_BIN_DIR
-from .util import wait_for
+from .util import WaitTimeout, wait_for
 
 CLUSTER_NAME = "cedana-itest"
 TEST_USERS = ("cedana-slurm-a", "cedana-slurm-b")
@@ -319,12 +319,16 @@ PartitionName=high Nodes={self.node} PriorityTier=2 MaxTime=INFINITE State=UP
 
     def wait_output(self, name: str, pattern: str, timeout: float = 60) -> str:
         regex = re.compile(pattern, re.M)
-        return wait_for(
-            lambda: self.output(name) if regex.search(self.output(name)) else None,
-            timeout=timeout,
-            interval=0.2,
-            what=f"{pattern!r} in {name}",
-        )
+        try:
+            return wait_for(
+                lambda: self.output(name) if regex.search(self.output(name)) else None,
+                timeout=timeout,
+                interval=0.2,
+                what=f"{pattern!r} in {name}",
+            )
+        except WaitTimeout as err:
+            tail = "\n".join(self.output(name).splitlines()[-20:])
+            raise WaitTimeout(f"{err}\n{name} ends with:\n{tail}") from err
 
     def wait_idle(self, timeout: float = 60) -> None:
         """The node has finished with every job (no job COMPLETING on it)."""

@@ -8,7 +8,8 @@ unchanged. Per-container state lives in ``<--root>/<id>/state``:
   group is the container) and blocks on ``exec.fifo`` until ``start`` reads
   it, then execs the bundle's ``process.args`` with the stdio runc was given
   (or a pty sent over ``--console-socket``). The init's env carries
-  ``FAKE_RUNC_MEMORY``: a file standing for the process's memory.
+  ``FAKE_RUNC_MEMORY``: a file standing for the process's memory. ``run
+  --detach`` is the two in one call.
 * ``kill [--all]``, ``delete [--force]``, ``pause``/``resume`` (SIGSTOP/SIGCONT
   to every process group of the container), ``ps --format json``, ``state``,
   ``update``, ``exec`` (a process group of its own, recorded with the container).
@@ -429,6 +430,11 @@ def start(call: Call) -> int:
     return 0
 
 
+def run(call: Call) -> int:
+    create(call)
+    return start(call)
+
+
 def state(call: Call) -> int:
     import json
 
@@ -706,6 +712,7 @@ def lazy_pages(call: Call) -> int:
 VERBS = {
     "create": create,
     "start": start,
+    "run": run,
     "state": state,
     "kill": kill,
     "delete": delete,
