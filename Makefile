@@ -49,8 +49,13 @@ check:
 # EXAMPLES=quick (the inner loop): property tests draw a fifth of their examples;
 # `make test` draws them all (tests/support/examples.py).
 EXAMPLES ?= quick
+# The unit tests make, fsync and remove tens of thousands of small files: on a tmpfs,
+# where /dev/shm has 4 GiB free (a container's is often 64 MiB), ~6 s less of ~53.
+UNIT_TMPDIR ?= $(shell avail=$$(df --output=avail -k /dev/shm 2>/dev/null | tail -n 1); \
+  [[ $$avail =~ ^[0-9]+$$ ]] && ((avail > 4194304)) && echo /dev/shm)
 unit:
-	CEDANA_TEST_EXAMPLES=$(EXAMPLES) $(BIN)/pytest tests/unit -n auto $(PYTEST_ARGS)
+	$(if $(UNIT_TMPDIR),TMPDIR=$(UNIT_TMPDIR)) CEDANA_TEST_EXAMPLES=$(EXAMPLES) \
+	  $(BIN)/pytest tests/unit -n auto $(PYTEST_ARGS)
 
 # Root: tests/privileged (real mounts, cgroups, namespaces, runc and CRIU driven
 # directly) and tests/integration (containerd).
