@@ -13,16 +13,16 @@ import os
 
 from hypothesis import settings
 
-__all__ = ["QUICK", "examples"]
+__all__ = ["examples"]
 
-QUICK = os.environ.get("CEDANA_TEST_EXAMPLES") == "quick"
+_QUICK = os.environ.get("CEDANA_TEST_EXAMPLES") == "quick"
 _QUICK_MIN = 20
 
 settings.register_profile("quick", max_examples=_QUICK_MIN)
-if QUICK:
+if _QUICK:
     settings.load_profile("quick")
 
 
 def examples(wanted: int) -> int:
     """``wanted`` in a full run, a fifth of it (at least 20) in a quick one."""
-    return max(_QUICK_MIN, wanted // 5) if QUICK else wanted
+    return max(_QUICK_MIN, wanted // 5) if _QUICK else wanted
