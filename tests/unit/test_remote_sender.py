@@ -10,7 +10,7 @@ from typing import IO, Any, cast
 
 import pytest
 from cedana_shim import errors
-from cedana_shim.checkpoint.remote.sender import BlobSender
+from cedana_shim.checkpoint.remote.sender import UPLOAD_WORKERS, BlobSender
 from cedana_shim.registry import PushResult, RegistryClient
 
 
@@ -109,6 +109,8 @@ def test_a_hung_registry_never_blocks_the_offers() -> None:
     for i in range(50):
         sender.offer(f"sha256:{i:064x}", 1, _source(1))
     assert time.monotonic() - began < 0.5
-    client.gate.set()
-    sender.close()  # what was queued is skipped
-    assert len(client.pushed) <= 5
+    # Released only once close has begun: released before, the workers could drain the
+    # whole queue while the test thread waits for a CPU.
+    threading.Timer(0.3, client.gate.set).start()
+    sender.close()  # what was queued is skipped; the uploads in flight finish
+    assert len(client.pushed) <= UPLOAD_WORKERS
