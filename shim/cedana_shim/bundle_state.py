@@ -140,16 +140,10 @@ def mark_criu_group(bundle: str, pgid: int, leader_start: int, *, lazy: bool = F
     os.rename(tmp, os.path.join(bundle, CRIU_GROUP_MARK))
 
 
-def read_criu_group(bundle: str) -> tuple[int, int] | None:
-    """(pgid, leader start time) of a restore or checkpoint in flight, as
-    :func:`mark_criu_group` wrote."""
-    record = read_criu_group_mark(bundle)
-    return None if record is None else record[:2]
-
-
-def read_criu_group_mark(bundle: str) -> tuple[int, int, bool] | None:
-    """(pgid, leader start time, lazy) as :func:`mark_criu_group` wrote: ``lazy``, the
-    group is a lazy restore's lazy-pages daemon."""
+def read_criu_group(bundle: str) -> tuple[int, int, bool] | None:
+    """(pgid, leader start time, lazy) of a restore or checkpoint in flight, as
+    :func:`mark_criu_group` wrote: ``lazy``, the group is a lazy restore's lazy-pages
+    daemon."""
     try:
         with open(os.path.join(bundle, CRIU_GROUP_MARK)) as f:
             pgid, start, *rest = f.read().split()

@@ -145,7 +145,7 @@ def test_a_finished_group_is_left_alone() -> None:
 def test_criu_group_record_round_trip(tmp_path: Path) -> None:
     assert read_criu_group(str(tmp_path)) is None
     mark_criu_group(str(tmp_path), 4242, 987654)
-    assert read_criu_group(str(tmp_path)) == (4242, 987654)
+    assert read_criu_group(str(tmp_path)) == (4242, 987654, False)
     assert not list(tmp_path.glob(".*.tmp"))
     clear_criu_group(str(tmp_path))
     clear_criu_group(str(tmp_path))  # idempotent
@@ -363,7 +363,7 @@ def test_delete_kills_a_lazy_restores_tasks_while_its_daemon_is_frozen(
     assert leader_start is not None
     bundle, calls = _delete_bundle(tmp_path, pgid=group.pid)
     mark_criu_group(str(bundle), group.pid, leader_start, lazy=True)
-    assert read_criu_group(str(bundle)) == (group.pid, leader_start)
+    assert read_criu_group(str(bundle)) == (group.pid, leader_start, True)
 
     _run_delete(bundle, capsysbinary)
 

@@ -29,7 +29,7 @@ from ..bundle_state import (
     clear_criu_group,
     clear_stopping,
     criu_root,
-    read_criu_group_mark,
+    read_criu_group,
     read_deleted,
     read_stopping,
 )
@@ -129,7 +129,7 @@ def _read_pid(bundle: str) -> int:
 def _stop_criu(state: BundleState, bundle: str, container_id: str) -> None:
     """Kill the ``runc restore`` or ``runc checkpoint`` a dead daemon left running, or
     the lazy-pages daemon of a lazy restore (which that group is then)."""
-    record = read_criu_group_mark(bundle)
+    record = read_criu_group(bundle)
     if record is None:
         return
     from ..runtime.pgroup import is_same_group, kill_criu_group

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
-__all__ = ["EarlySealer", "Prefix", "is_page_image"]
+__all__ = ["EarlySealer", "Prefix"]
 
 _PASS_INTERVAL_S: Final = 0.05
 _PASS_BYTES: Final = 64 << 20  # per file and pass: a stop waits for at most one pass
@@ -50,7 +50,7 @@ class Prefix:
     crc: int
 
 
-def is_page_image(name: str) -> bool:
+def _is_page_image(name: str) -> bool:
     return name.startswith("pages-") and name.endswith(".img")
 
 
@@ -116,7 +116,7 @@ class EarlySealer:
     def _pass(self, dir_fd: int) -> None:
         with contextlib.suppress(OSError):
             with os.scandir(dir_fd) as it:
-                names = sorted(e.name for e in it if is_page_image(e.name))
+                names = sorted(e.name for e in it if _is_page_image(e.name))
             for name in names:
                 if self._stopping.is_set() or self._error is not None:
                     return

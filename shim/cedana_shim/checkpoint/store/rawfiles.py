@@ -119,9 +119,7 @@ def _dir_entry(rel: str, st: os.stat_result) -> RawFile:
 
 def _crc_and_close(fd: int, prefix: Prefix | None) -> tuple[int, int]:
     try:
-        if prefix is None:
-            return _crc_fd(fd)
-        return _crc_fd(fd, prefix.size, prefix.crc)
+        return _crc_fd(fd) if prefix is None else _crc_fd(fd, prefix.size, prefix.crc)
     finally:
         os.close(fd)
 
