@@ -25,7 +25,11 @@ NewId = Callable[[str], str]
 # pid 1 of a pid namespace ignores signals it has no handler for, so a shell loop as
 # init survives SIGTERM; the loop keeps the container busy without a long `sleep`.
 IDLE = ("sh", "-c", "while :; do sleep 0.1; done")
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; echo $i; sleep 0.1; done"
+# /tmp/count by rename: a reader never sees it truncated and not yet written.
+COUNTER = (
+    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; "
+    "echo $i; sleep 0.1; done"
+)
 
 
 def _host_pidns() -> str:

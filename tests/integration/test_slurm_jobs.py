@@ -189,12 +189,12 @@ def test_a_broken_runner_leaves_the_job_running_unprotected(
         node.runner.unlink()
     else:
         os.chmod(node.runner, 0o777)
-    log_offset = len(node.cluster.slurmd_log())
+    log_offset = len(node.cluster.log("slurmd.log"))
     job_id, printed = node.run_probe("broken", "ALL,CEDANA_ENABLE=1", users[0])
     assert runner_record(node.records, job_id) == {}
     assert printed["uid"] == str(users[0].uid)
     assert printed["CapPrm"] == printed["CapEff"] == "0000000000000000"
-    log = node.cluster.slurmd_log()[log_offset:]
+    log = node.cluster.log("slurmd.log")[log_offset:]
     assert f"cedana: runner {node.runner}" in log and "job runs without checkpoints" in log
 
 

@@ -204,6 +204,26 @@ def test_the_store_gauges(tmp_path: Path) -> None:
     assert sample(metrics, "cedana_pending_pushes") == 1
 
 
+def test_a_scrape_during_a_round_sees_the_store_gauges_already(
+    tmp_path: Path,
+) -> None:
+    """The gauges are refreshed before the spool is consumed: a scrape while a long
+    spool is posted (here: at each event) sees the store already."""
+    store = make_store(tmp_path)
+    publish(store, "a")
+    oplog.write(store.root, record(kind=oplog.RESTORE, outcome="restored"))
+    metrics = AgentMetrics()
+    seen: list[float] = []
+
+    class ScrapingApi(RecordingApi):
+        def create_event(self, namespace: str, event: dict[str, Any]) -> None:
+            seen.append(sample(metrics, "cedana_store_checkpoints"))
+            super().create_event(namespace, event)
+
+    assert OpsObserver(ScrapingApi(), metrics, "node-1").round(store.root) == 1
+    assert seen == [1]
+
+
 def test_the_observer_thread_outlives_a_failing_round() -> None:
     stop = Stop()
     rounds: list[int] = []

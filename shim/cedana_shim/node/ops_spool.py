@@ -48,10 +48,13 @@ class OpsObserver:
     node: str
 
     def round(self, store_root: str) -> int:
-        """Consume the spool and refresh the store's gauges; the records consumed."""
-        consumed = self.consume(oplog.spool_path(store_root))
+        """Refresh the store's gauges and consume the spool; the records consumed.
+
+        The gauges first: a scrape that sees a record's counter (a restore) also sees
+        the store as it was when that record was written, not the gauges of before a
+        long spool was consumed."""
         self.refresh_store(store_root)
-        return consumed
+        return self.consume(oplog.spool_path(store_root))
 
     def consume(self, spool: str) -> int:
         done = 0

@@ -25,8 +25,10 @@ import socket
 import struct
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from cedana_shim.cli.fork_client import answers
@@ -291,7 +293,15 @@ PartitionName=high Nodes={self.node} PriorityTier=2 MaxTime=INFINITE State=UP
         self.scontrol("requeue", str(job_id))
 
     def release(self, job_id: int) -> None:
-        """A requeued job waits for its BeginTime (~2 min); start it now."""
+        """A requeued job waits for its BeginTime (~2 min); start it now.
+
+        Not in the second of the requeue: slurmd refuses a launch credential made in
+        the second its previous run's was revoked (at the kill, at latest at the
+        requeue, which Slurm records as SubmitTime), and slurmctld then ends the job
+        ("Killing non-startable batch JobId=N: Job credential revoked", FAILED, no
+        output). Slurm's own BeginTime keeps a requeued job far from that second."""
+        submitted = datetime.strptime(self.job(job_id)["SubmitTime"], "%Y-%m-%dT%H:%M:%S")
+        time.sleep(max(0.0, submitted.timestamp() + 1.05 - time.time()))
         self.scontrol("update", f"jobid={job_id}", "StartTime=now")
 
     def cancel(self, job_id: int, signal_name: str | None = None) -> None:
@@ -328,7 +338,25 @@ PartitionName=high Nodes={self.node} PriorityTier=2 MaxTime=INFINITE State=UP
             )
         except WaitTimeout as err:
             tail = "\n".join(self.output(name).splitlines()[-20:])
-            raise WaitTimeout(f"{err}\n{name} ends with:\n{tail}") from err
+            raise WaitTimeout(
+                f"{err}\n{name} ends with:\n{tail}\njobs:\n{self.queue()}\n"
+                f"node: {self.scontrol('show', 'node', self.node, '-o', check=False)}\n"
+                + "".join(
+                    f"{log} ends with:\n{self.log_tail(log)}\n"
+                    for log in ("slurmctld.log", "slurmd.log", "shim.log")
+                )
+            ) from err
+
+    def queue(self) -> str:
+        """Every job Slurm still lists, with its state and why it waits (%r)."""
+        listed = subprocess.run(
+            ["squeue", "--all", "--states=all", "--format=%i %T %r %S %N"],
+            env=self.env(), capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        return listed.stdout + listed.stderr
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        return "\n".join(self.log(name).splitlines()[-lines:])
 
     def wait_idle(self, timeout: float = 60) -> None:
         """The node has finished with every job (no job COMPLETING on it)."""
@@ -338,8 +366,9 @@ PartitionName=high Nodes={self.node} PriorityTier=2 MaxTime=INFINITE State=UP
         out = self.scontrol("show", "node", self.node, "-o", check=False)
         return "State=IDLE" in out
 
-    def slurmd_log(self) -> str:
-        path = self.dir / "log" / "slurmd.log"
+    def log(self, name: str) -> str:
+        """One of the cluster's logs: slurmctld.log, slurmd.log, shim.log."""
+        path = self.dir / "log" / name
         return path.read_text(errors="replace") if path.exists() else ""
 
 
