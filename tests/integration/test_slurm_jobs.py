@@ -4,6 +4,7 @@ contract's arguments) and leaves every other job exactly as Slurm runs it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -313,3 +314,41 @@ def test_the_jobs_owner_may_ask_for_a_checkpoint_and_no_one_else(
         assert "Can't get rlimit" not in asked.stderr  # CRIU's log stays root's
         assert f"cedana: warning: {obstacle}" in cluster.output("owned.out")
     cluster.cancel(job_id)
+
+
+def test_restore_by_hand_into_a_new_job_of_a_shell_that_keeps_its_script_open(
+    protected: Protected,
+) -> None:
+    """`cedana slurm restore` submits a new job (another id) from a checkpoint of a
+    batch shell that does not exec: bash keeps slurmd's copy of its script open, and
+    CRIU restores that file by the old job's path, which left with the old job. The
+    runner puts the new job's copy there for the restore (and removes it when the job
+    ends): the new job continues the count."""
+    cluster = protected.cluster
+    job_id = protected.victim("byhand", export="ALL,CEDANA_ENABLE=1")
+    env = {**os.environ, **cluster.env()}
+    done = cedana("slurm", "checkpoint", str(job_id), "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    checkpoint = json.loads(done.stdout)["checkpoint"]
+    cluster.cancel(job_id, "KILL")
+    cluster.wait_state(job_id, "CANCELLED", "FAILED", timeout=60)
+    wait_nothing_left(job_id)
+    old_dir = cluster.dir / "spool" / f"job{job_id:05d}"
+    assert not old_dir.exists()
+
+    done = cedana(
+        "slurm", "restore", "--json", checkpoint, "--", "--partition=low", f"--chdir={cluster.jobs}",
+        str(cluster.jobs / "byhand.sh"), env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    new_id = int(json.loads(done.stdout)["job"])
+    text = cluster.wait_output(
+        "byhand.out", rf"restored from {checkpoint} (.|\n)*(Counter: \d+\n){{3}}", timeout=90
+    )
+    after = counters(text)
+    assert after and after[0] >= 3, after  # from the checkpoint, not from the top
+    assert old_dir.is_dir()  # the old path, while the restored shell runs
+    cluster.cancel(new_id, "KILL")
+    cluster.wait_state(new_id, "CANCELLED", "FAILED", timeout=60)
+    wait_nothing_left(new_id)
+    assert not old_dir.exists()

@@ -104,6 +104,8 @@ class RestoreRequest:
     # as soon as they run.
     lazy_pages: bool = False
     resumed: Callable[[], None] = lambda: None
+    # The container the checkpoint was taken of (its metadata's containerId).
+    checkpointed_container: str = ""
 
 
 class RestoreHost(Protocol):
@@ -743,6 +745,7 @@ class RestoreSession:
             file_locks=self.config.file_locks,
             lazy_pages=lazy,
             resumed=resumed.set,
+            checkpointed_container=str(plan.entry.metadata.get("containerId") or ""),
         )
         try:
             try:

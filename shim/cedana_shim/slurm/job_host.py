@@ -24,6 +24,7 @@ from ..checkpoint.policy import Policy
 from ..checkpoint.restore import RestoreRequest
 from ..errors import ShimError
 from ..runtime.runc import CreateOpts, RestoreOpts, Runc, Stdio, read_pid_file
+from .batch_script import BatchScript
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class JobHost:
         runc: Runc,
         policy: Policy,
         versions: Any,
+        script: BatchScript | None = None,
         out: int = 1,
         err: int = 2,
     ) -> None:
@@ -100,6 +102,7 @@ class JobHost:
         self.runc = runc
         self.policy = policy
         self._versions = versions
+        self.script = script
         self._out, self._err = out, err
         self.io: JobStdio | None = None
         self.pid = 0
@@ -130,6 +133,8 @@ class JobHost:
         return dict(await self._versions.get(self.runc))
 
     async def restore_images(self, request: RestoreRequest) -> int:
+        if self.script is not None:
+            await asyncio.to_thread(self.script.stage_for, request.checkpointed_container)
         io = self._fresh_io()
         try:
             pages = await self.runc.restore(

@@ -36,6 +36,7 @@ from ..task.checkpoint_manager import CheckpointManager, PipelineSource
 from ..task.checkpointing import STOP_SIGNALS, Checkpointing
 from ..task.process import Process, State
 from . import cgroups, job_spec, leftovers
+from .batch_script import BatchScript
 from .control import RUN_DIR, SOCKET_DIR, ControlServer, socket_path
 from .job_host import JobHost
 
@@ -288,6 +289,7 @@ class JobRun:
             runc=runc,
             policy=cr.policy,
             versions=cr.pipeline.versions,
+            script=BatchScript(self.request.job_id, self.request.step_id, self.request.argv),
         )
 
     def _on_exit(self, ex: Exit) -> None:
@@ -370,6 +372,8 @@ class JobRun:
         if self.host is not None:
             with contextlib.suppress(ShimError, OSError):
                 await self.host.runc.delete(self.request.container_id, force=True)
+            if self.host.script is not None:
+                self.host.script.remove_staged()
         if self._created is not None:
             self._created.remove()
         if self._task_gone and self._cgroup:
