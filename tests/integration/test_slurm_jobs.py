@@ -337,8 +337,9 @@ def test_restore_by_hand_into_a_new_job_of_a_shell_that_keeps_its_script_open(
     assert not old_dir.exists()
 
     done = cedana(
-        "slurm", "restore", "--json", checkpoint, "--", "--partition=low", f"--chdir={cluster.jobs}",
-        str(cluster.jobs / "byhand.sh"), env=env,
+        "slurm", "restore", "--json", checkpoint, "--",
+        "--partition=low", f"--chdir={cluster.jobs}", str(cluster.jobs / "byhand.sh"),
+        env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     new_id = int(json.loads(done.stdout)["job"])
