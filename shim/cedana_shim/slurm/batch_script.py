@@ -15,14 +15,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import stat
 from typing import Final
+
+from .job_spec import batch_job_of
 
 log = logging.getLogger(__name__)
 
 SCRIPT_NAME: Final = "slurm_script"
-_CHECKPOINTED_BATCH: Final = re.compile(r"slurm-([0-9]{1,10})\.batch")
 
 
 def job_dir_name(job_id: int) -> str:
@@ -47,12 +47,13 @@ class BatchScript:
     def stage_for(self, checkpointed_container: str) -> None:
         """Before a restore of a checkpoint taken of ``checkpointed_container``:
         where that was another job's batch step, its script's path exists again
-        (this job's copy of the script), unless something is there already."""
-        m = _CHECKPOINTED_BATCH.fullmatch(checkpointed_container)
-        if not self._path or m is None or self._staged:
+        (this job's copy of the script), unless something is there already. Each
+        candidate of a restore may come from another job: each gets its path."""
+        old_job = batch_job_of(checkpointed_container)
+        if not self._path or old_job is None:
             return
         job_dir = os.path.dirname(self._path)
-        old_dir = os.path.join(os.path.dirname(job_dir), job_dir_name(int(m.group(1))))
+        old_dir = os.path.join(os.path.dirname(job_dir), job_dir_name(old_job))
         if old_dir == job_dir or os.path.lexists(old_dir):
             return  # a requeue of the same job, or the old job's own files
         try:
@@ -62,8 +63,7 @@ class BatchScript:
                 "cannot put the job's script where the checkpointed job had it",
                 extra={"path": old_dir, "error": str(err)},
             )
-            self.remove_staged()
-            return
+            return  # what it made is removed with the rest when the job ends
         log.info(
             "the checkpointed job's script path holds this job's script", extra={"path": old_dir}
         )
@@ -112,4 +112,4 @@ class BatchScript:
         self._staged = []
 
 
-__all__ = ["SCRIPT_NAME", "BatchScript", "job_dir_name"]
+__all__ = ["BatchScript"]

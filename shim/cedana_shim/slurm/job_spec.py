@@ -128,6 +128,19 @@ _TRANSIENT_UNDER: Final = (
 _TRANSIENT_TYPES: Final = ("overlay", "nsfs", "fuse")
 
 
+def container_id_of(name: str) -> str:
+    """The container of job step ``<jobid>.<step>``."""
+    return f"slurm-{name}"
+
+
+def batch_job_of(container_id: str) -> int | None:
+    """The job whose batch step ``container_id`` is (None: not a batch step's)."""
+    job, dot, step = container_id.removeprefix(container_id_of("")).partition(".")
+    if container_id.startswith(container_id_of("")) and dot and step == "batch" and job.isdigit():
+        return int(job)
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class JobRequest:
     """What the SPANK plugin hands the runner for one job step."""
@@ -150,7 +163,7 @@ class JobRequest:
 
     @property
     def container_id(self) -> str:
-        return f"slurm-{self.name}"
+        return container_id_of(self.name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from typing import Final
 from ..errors import ShimError
 from ..runtime.runc import Runc
 from .control import socket_path
+from .job_spec import container_id_of
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ async def sweep(bundles: str, roots: str, sockets: str, runc: Runc) -> list[str]
         if not keeper_gone(bundle):
             continue
         with contextlib.suppress(ShimError, OSError):
-            await runc.delete(f"slurm-{name}", force=True)
+            await runc.delete(container_id_of(name), force=True)
         shutil.rmtree(bundle, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(os.path.join(roots, name))  # never rmtree: a root bind point
