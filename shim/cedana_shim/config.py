@@ -57,7 +57,8 @@ class NodeConfig:
     # blob, shared between checkpoints that hold the same bytes); 0: one blob per layer.
     chunk_size: int = 8 << 20
     # The checkpoint store shared across nodes: an OCI registry, "host[:port]/prefix"
-    # (one repository per namespace under it); "" keeps checkpoints on this node only.
+    # (one repository per namespace under it), or an absolute path: a directory every
+    # node mounts, laid out like a registry; "" keeps checkpoints on this node only.
     registry: str = ""
     registry_auth_file: str = ""  # docker config.json with the registry's credentials, 0600
     registry_ca: str = ""  # extra CA bundle (PEM) for the registry's TLS

@@ -361,7 +361,7 @@ def test_a_namespace_never_gets_another_namespaces_checkpoint(
     remote = remote_store(store, settings)
     pushed = remote.push(entry.id)
     # Someone copies team-a's checkpoint, blobs and all, into team-b's repository.
-    client = remote.client
+    client = _client(remote)
     other_repo = client.repository_for("team-b")
     data, _, _ = client.get_manifest(pushed.repository, pushed.tag)
     for layer in [json.loads(data)["config"], *json.loads(data)["layers"]]:

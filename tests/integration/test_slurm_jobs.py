@@ -15,6 +15,7 @@ from cedana_shim.slurm.job_spec import checkpoint_obstacle
 
 from .harness.config import SHIM_BIN_DIR
 from .harness.slurm import (
+    CLUSTER_NAME,
     TEST_USERS,
     SlurmCluster,
     User,
@@ -237,6 +238,41 @@ def test_scontrol_requeue_resumes_and_another_user_never_gets_the_checkpoint(
 
     after = protected.requeued_and_resumed(victim, "requeued", before)
     assert after and 0 not in after, after
+
+
+def test_a_job_requeued_onto_another_node_resumes_through_a_shared_directory(
+    protected: Protected,
+) -> None:
+    """`registry` set to a directory every node mounts: the stop's checkpoint is
+    written there before the job's exit; the requeued job starts on a node whose own
+    store is empty (the node config now names another ``store_path``, as another node's
+    would) and resumes from the shared directory, pulled and verified."""
+    cluster = protected.cluster
+    shared = cluster.dir / "shared"
+    shared.mkdir(mode=0o700)
+    protected.configure(extra=f'registry = "{shared}"\n')
+    job_id = protected.victim("moved", export="ALL,CEDANA_CHECKPOINT=moved")
+    cluster.requeue(job_id)
+    cluster.wait_state(job_id, "PENDING", timeout=cluster.kill_wait + 60)
+    before = max(counters(cluster.output("moved.out")))
+    (checkpoint,) = protected.checkpoints("root", "moved")
+    tags = os.listdir(shared / f"slurm-{CLUSTER_NAME}-root" / "tags")
+    # Pushed before the exit (registry_sync = before-exit): the tag, its marker gone.
+    (tag,) = tags
+    assert str(checkpoint["id"]).rsplit("-", 1)[1] in tag and not tag.endswith(".pending")
+
+    other_node = cluster.dir / "store-other-node"
+    protected.configure(other_node, extra=f'registry = "{shared}"\n')
+    wait_nothing_left(job_id)
+    cluster.release(job_id)
+    text = cluster.wait_output(
+        "moved.out", rf"restored from {checkpoint['id']} (.|\n)*(Counter: \d+\n){{3}}", timeout=90
+    )
+    after = counters(text[text.index("restored from") :])
+    assert after and before - 3 < after[0] <= before + 1, (after[:3], before)
+    # The other node's own store now holds it, pulled whole.
+    assert [c["id"] for c in protected.checkpoints("root", "moved")] == [checkpoint["id"]]
+    cluster.cancel(job_id, "KILL")
 
 
 def test_periodic_checkpoints_while_running_and_a_requeue_resumes_from_the_latest(

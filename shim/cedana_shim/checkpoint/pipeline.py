@@ -176,9 +176,13 @@ class Pipeline:
         """Why checkpoints of namespace ``scope`` cannot go to the registry (its name
         cannot name a repository: e.g. containerd's k8s.io outside Kubernetes); ""."""
         from ..registry import parse_registry, repository_for
+        from .remote.shared_dir import names_shared_dir
 
+        registry = self.config.registry
         try:
-            repository_for(parse_registry(self.config.registry).prefix, scope)
+            repository_for(
+                "" if names_shared_dir(registry) else parse_registry(registry).prefix, scope
+            )
         except ShimError as err:
             return f"namespace {scope!r} cannot be pushed to {self.config.registry}: {err}"
         return ""

@@ -16,6 +16,7 @@ import platform
 from dataclasses import replace
 
 from ..checkpoint.remote import Outbox, RemoteStore, sync
+from ..checkpoint.remote.shared_dir import names_shared_dir
 from ..checkpoint.store import Store, StoreConfig
 from ..config import load_node_config
 from ..errors import ShimError
@@ -41,6 +42,9 @@ def push_pending(host: HostRoot, shim_config: str) -> list[str]:
     config = replace(
         config,
         store_path=store_root,
+        registry=host.path(config.registry)
+        if names_shared_dir(config.registry)
+        else config.registry,
         registry_auth_file=host.path(config.registry_auth_file)
         if config.registry_auth_file
         else "",

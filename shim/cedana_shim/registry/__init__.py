@@ -3,7 +3,9 @@
 :class:`RegistryClient` pushes and pulls blobs (chunked, resumable, verified while
 streaming) and manifests, lists tags and deletes manifests, over TLS with docker
 ``config.json`` credentials (Basic or Bearer tokens). Repository names come from
-:func:`repository_for`: ``<prefix>/<namespace>``.
+
+:func:`repository_for`: ``<prefix>/<namespace>``. :class:`Registry` is what the shared
+checkpoint store needs of one (a shared directory is the other backend).
 """
 
 from .client import (
@@ -14,7 +16,8 @@ from .client import (
     RegistryConfig,
 )
 from .credentials import Credentials, load_credentials
-from .push import OpenSource, ProgressCallback, PushResult
+from .protocol import Registry
+from .push import BLOCK_SIZE, OpenSource, ProgressCallback, PushResult
 from .reference import (
     RegistryLocation,
     check_digest,
@@ -25,6 +28,7 @@ from .reference import (
 )
 
 __all__ = [
+    "BLOCK_SIZE",
     "DEFAULT_CHUNK_SIZE",
     "MANIFEST_MEDIA_TYPES",
     "MAX_MANIFEST_BYTES",
@@ -32,6 +36,7 @@ __all__ = [
     "OpenSource",
     "ProgressCallback",
     "PushResult",
+    "Registry",
     "RegistryClient",
     "RegistryConfig",
     "RegistryLocation",

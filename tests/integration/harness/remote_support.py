@@ -1,5 +1,5 @@
-"""Helpers for the remote store's tests: real stores with real compacted checkpoints,
-a real registry, and clients that count what they send and fetch."""
+"""Helpers for the remote store's tests against a real registry: its settings and
+clients that count what they send and fetch (the stores: tests/support/checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -12,45 +12,24 @@ from pathlib import Path
 from typing import Any
 
 from cedana_shim.checkpoint.remote import RemoteStore
-from cedana_shim.checkpoint.store import Entry, Store, StoreConfig
-from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_CRIU
+from cedana_shim.checkpoint.store import Store
 from cedana_shim.registry import PushResult, RegistryClient, RegistryConfig
+from support.checkpoints import NODE, SCOPE, MiB, commit_checkpoint, open_store, staging_dirs
 
 from .registry import PASSWORD, USER, Registry, TlsFiles, write_auth_file
 
-MiB = 1 << 20
-NODE = "node-a.example"
-SCOPE = "team-a"
-
-
-def open_store(root: Path, **config: Any) -> Store:
-    return Store(StoreConfig(root=str(root), **config))
-
-
-def commit_checkpoint(
-    store: Store,
-    files: dict[str, bytes],
-    *,
-    label: str = "trainer",
-    scope: str = SCOPE,
-    metadata: dict[str, Any] | None = None,
-) -> Entry:
-    """A committed, compacted checkpoint whose criu layer holds ``files``."""
-    meta = metadata or {
-        "container": "trainer",
-        "pod": "trainer-0",
-        "namespace": scope,
-        "image": "docker.io/library/busybox:latest",
-        "versions": {"shim": "0.1.0", "runc": "runc 1.2", "criu": "4.2", "arch": "x86_64"},
-    }
-    ingest = store.begin(scope=scope, label=label, metadata=meta)
-    images = Path(ingest.dir("criu"))
-    for name, data in files.items():
-        (images / name).write_bytes(data)
-    ingest.add_dir_layer("criu", str(images), MEDIA_TYPE_CRIU)
-    entry = store.commit(ingest)
-    assert entry.state == "compacted"
-    return entry
+__all__ = [
+    "NODE",
+    "SCOPE",
+    "CountingClient",
+    "MiB",
+    "commit_checkpoint",
+    "open_store",
+    "registry_config",
+    "remote_store",
+    "staging_dirs",
+    "tmpfs",
+]
 
 
 def registry_config(
@@ -96,10 +75,6 @@ class CountingClient(RegistryClient):
 def remote_store(store: Store, config: RegistryConfig, node: str = NODE) -> RemoteStore:
     uploads = os.path.join(store.root, "outbox", "uploads")
     return RemoteStore(store, CountingClient(config, upload_state_dir=uploads), node)
-
-
-def staging_dirs(store: Store) -> list[str]:
-    return [n for n in os.listdir(os.path.join(store.root, "ingest")) if n.startswith("adopt-")]
 
 
 @contextlib.contextmanager

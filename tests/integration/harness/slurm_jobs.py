@@ -28,9 +28,15 @@ class Protected:
         self.config = cluster.dir / "shim.toml"
         self.hooks = cluster.dir / "hooks.d"
         self.hooks.mkdir(exist_ok=True)
+        self.configure()
+
+    def configure(self, store: Path | None = None, extra: str = "") -> None:
+        """(Re)write the node config every job's runner reads when it starts."""
+        self.store = store or self.store
         self.config.write_text(
-            f'store_path = "{self.store}"\nlog_file = "{cluster.dir / "log" / "shim.log"}"\n'
-            f'hooks_dirs = "{self.hooks}"\n'
+            f'store_path = "{self.store}"\n'
+            f'log_file = "{self.cluster.dir / "log" / "shim.log"}"\n'
+            f'hooks_dirs = "{self.hooks}"\n{extra}'
         )
 
     def install(self) -> None:

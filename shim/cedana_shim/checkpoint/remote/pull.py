@@ -40,7 +40,7 @@ from cedana_shim.checkpoint.store.layout import (
     parse_checkpoint_ref,
     parse_config,
 )
-from cedana_shim.registry import RegistryClient
+from cedana_shim.registry import Registry
 
 from .manifest import parse_checkpoint_manifest
 from .model import RemoteCheckpoint
@@ -73,7 +73,7 @@ def _tag_of(remote: RemoteCheckpoint) -> CheckpointTag:
 
 
 def read_manifest(
-    client: RegistryClient, remote: RemoteCheckpoint
+    client: Registry, remote: RemoteCheckpoint
 ) -> tuple[bytes, Manifest, CheckpointRef]:
     """The checkpoint's manifest from the registry, checked (see manifest.py)."""
     tag = _tag_of(remote)
@@ -157,7 +157,7 @@ class _Meter:
 
 
 def pull_into(
-    store: Store, client: RegistryClient, remote: RemoteCheckpoint, progress: Progress | None
+    store: Store, client: Registry, remote: RemoteCheckpoint, progress: Progress | None
 ) -> Entry:
     """See the module doc; the entry as the local store has it afterwards."""
     data, manifest, ref = read_manifest(client, remote)
@@ -194,7 +194,7 @@ def pull_into(
 
 
 def _download(
-    client: RegistryClient, repo: str, adoption: Adoption, digest: str, size: int, meter: _Meter
+    client: Registry, repo: str, adoption: Adoption, digest: str, size: int, meter: _Meter
 ) -> None:
     def fill(out: IO[bytes]) -> None:
         client.pull_blob(repo, digest, size, out, max_size=size, progress=meter.blob(digest))

@@ -25,7 +25,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeAlias
 from cedana_shim import errors
 from cedana_shim.checkpoint.store.adopt import manifest_blobs
 from cedana_shim.checkpoint.store.layout import ANN_LABEL, MEDIA_TYPE_MANIFEST, parse_manifest
-from cedana_shim.registry import RegistryClient, RegistryConfig
+from cedana_shim.registry import Registry, RegistryClient, RegistryConfig
 
 from .manifest import (
     EMPTY_CONFIG,
@@ -39,6 +39,7 @@ from .manifest import (
 from .model import RemoteCheckpoint
 from .pull import check_config, check_sizes, pull_into, read_manifest
 from .sender import UPLOAD_WORKERS, BlobSender, Progress
+from .shared_dir import SharedDirectory, names_shared_dir
 from .tags import PENDING_SUFFIX, CheckpointTag, encode_label, parse_tag, tag_for
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def _newest_first(tags: Iterable[CheckpointTag]) -> _Tags:
 class RemoteStore:
     """A node's view of the registry (see the module doc); safe to share between threads."""
 
-    def __init__(self, store: Store, client: RegistryClient, node: str) -> None:
+    def __init__(self, store: Store, client: Registry, node: str) -> None:
         self.store = store
         self.client = client
         self.node = check_node(node)
@@ -75,6 +76,8 @@ class RemoteStore:
         """The remote store the node config names; None when ``registry`` is ""."""
         if not config.registry:
             return None
+        if names_shared_dir(config.registry):
+            return cls(store, SharedDirectory(config.registry), node)
         settings = RegistryConfig(
             registry=config.registry,
             auth_file=config.registry_auth_file,

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Final, TypeVar
 
 from cedana_shim import errors
-from cedana_shim.registry import RegistryClient
+from cedana_shim.registry import Registry
 
 __all__ = ["UPLOAD_WORKERS", "BlobSender", "OpenSource", "Progress"]
 
@@ -35,9 +35,7 @@ T = TypeVar("T")
 class BlobSender:
     """Blobs of one push to ``repo`` (see the module doc); a context manager."""
 
-    def __init__(
-        self, client: RegistryClient, repo: str, what: str, progress: Progress | None
-    ) -> None:
+    def __init__(self, client: Registry, repo: str, what: str, progress: Progress | None) -> None:
         self._client = client
         self._repo = repo
         self._what = what
