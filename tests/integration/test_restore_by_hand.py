@@ -106,6 +106,8 @@ def ctr_run(
     return ctr(*args, check=check)
 
 
+# CI time: the shim's code here does not change with containerd's version: oldest and newest.
+@pytest.mark.ctrd_versions("1.6", "2.1")
 @pytest.mark.parametrize("opt_in", ["label", "enable"])
 def test_ctr_restores_the_second_of_three(
     containerd: Containerd, ctr: Ctr, new_id: NewId, opt_in: str
@@ -231,6 +233,8 @@ def start_counter(
     return App(pod, cid, log_dir / "app.log")
 
 
+# CI time: one of each runtime registration (1.6's own type, 2.x's runc-typed one).
+@pytest.mark.ctrd_versions("1.6", "2.1")
 def test_cri_restores_the_second_of_three_in_its_namespace_only(
     containerd: Containerd, cri: CriClient
 ) -> None:
