@@ -42,6 +42,7 @@ check:
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/mypy tests/integration
+	$(BIN)/mypy bench
 	$(BIN)/lint-imports --no-cache
 
 # Runs as any user: tests that need root live in tests/privileged.

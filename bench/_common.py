@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib.util
 import json
 import os
@@ -492,6 +493,11 @@ def wall(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _end(proc: subprocess.Popen[bytes]) -> None:
+    proc.kill()
+    proc.wait()
+
+
 def start_cpu_load(jobs: int, cleanup: Cleanup) -> list[int]:
     """``jobs`` busy loops at normal priority for the rest of the run (a second job on
     the node); stopped by ``cleanup``. Their pids."""
@@ -503,7 +509,7 @@ def start_cpu_load(jobs: int, cleanup: Cleanup) -> list[int]:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        cleanup.push(f"cpu load {proc.pid}", lambda p=proc: (p.kill(), p.wait()))
+        cleanup.push(f"cpu load {proc.pid}", functools.partial(_end, proc))
         pids.append(proc.pid)
     return pids
 

@@ -26,6 +26,8 @@ everything it wrote), cedana's first in even runs and runc's first in odd runs, 
             compressed.
     runc:   identical container run directly by `runc run -d` from a bundle; time
             of `runc checkpoint --image-path <dir>` (dump to local disk, then kill).
+            Also reported: that time plus an fdatasync of every image file right after
+            it, what plain runc needs for the durability the shim gives a stop.
 (b) restore
     cedana: new container with the same label; time of `ctr run -d` (Create, where the
             shim verifies and unpacks the checkpoint, + Start, which restores) until it
@@ -38,7 +40,8 @@ everything it wrote), cedana's first in even runs and runc's first in odd runs, 
     cedana: from `ctr task kill -s SIGTERM` of a restored container until the next
             container of the label, started as soon as the stop's checkpoint is listed
             in the store, is RUNNING (restored from it, checked as in (b)).
-    runc:   `runc checkpoint` + `runc restore` of the same container, back to back.
+    runc:   `runc checkpoint` + `runc restore` of the same container, back to back;
+            and once more with the images fdatasynced between the two (durable).
 CRIU's own statistics (stats-dump / stats-restore in its work dir: freezing, frozen,
 memory dump and memory write times, pages written) are reported for both sides, so a
 difference shows per phase; the shim logs them with each checkpoint. `--load N` runs
@@ -129,6 +132,24 @@ def du_bytes(path: Path) -> int:
 
 
 # -- workload and image ----------------------------------------------------------------
+
+
+def fsync_tree(path: Path) -> float:
+    """Seconds to fdatasync every file under ``path``, then the directories."""
+    t0 = time.monotonic()
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return time.monotonic() - t0
 
 
 def build_memhog(workdir: Path) -> Path:
@@ -722,6 +743,8 @@ def one_run(
         dump_work = rc.workdir / f"dump-work-{rid}"
         out["runc_checkpoint"] = {
             "seconds": rc.checkpoint(rid, images, dump_work),
+            # What a durable stop costs plain runc: its images fsynced right after it.
+            "fsync_s": fsync_tree(images),
             "images_bytes": du_bytes(images),
             "criu": dump_stats(str(dump_work)),
         }
@@ -742,10 +765,20 @@ def one_run(
             "seconds": seconds,
             **check_resumed(rc.pid(rid), before, mib, f"runc container {rid} again"),
         }
+        # The same with the images made durable between the two, as the shim's are.
+        before = read_beat(rc.pid(rid))
+        settle()
+        durable = rc.workdir / f"images-{rid}-durable"
+        seconds = rc.checkpoint(rid, durable, rc.workdir / f"dump-work-{rid}-durable")
+        seconds += fsync_tree(durable)
+        seconds += rc.restore(rid, bundle, durable, rc.workdir / f"restore-work-{rid}-durable")
+        out["runc_durable_kill_to_resumed"] = {
+            "seconds": seconds,
+            **check_resumed(rc.pid(rid), before, mib, f"runc container {rid} durable"),
+        }
         rc.remove(rid)
-        shutil.rmtree(bundle, ignore_errors=True)
-        shutil.rmtree(images, ignore_errors=True)
-        shutil.rmtree(again, ignore_errors=True)
+        for path in (bundle, images, again, durable):
+            shutil.rmtree(path, ignore_errors=True)
 
     for cycle in (cedana_cycle, runc_cycle) if i % 2 == 0 else (runc_cycle, cedana_cycle):
         cycle()
@@ -840,6 +873,10 @@ def main() -> int:
         summarize(col(("cedana_stop", "seconds"))),
         summarize(col(("runc_checkpoint", "seconds"))),
     )
+    durable_r = summarize(
+        [r["runc_checkpoint"]["seconds"] + r["runc_checkpoint"]["fsync_s"] for r in runs]
+    )
+    durable_ratio = ratio(ckpt_c.median, durable_r.median)
     commit_c = summarize(col(("cedana_stop", "committed_s")))
     compact_c = summarize(col(("cedana_stop", "compacted_s")))
     resumed_c, resumed_r = (
@@ -847,6 +884,8 @@ def main() -> int:
         summarize(col(("runc_kill_to_resumed", "seconds"))),
     )
     resumed_ratio = ratio(resumed_c.median, resumed_r.median)
+    resumed_d = summarize(col(("runc_durable_kill_to_resumed", "seconds")))
+    resumed_d_ratio = ratio(resumed_c.median, resumed_d.median)
     at_exit = sum(1 for r in runs if r["cedana_stop"].get("committed_at_exit"))
     rest_c, rest_r = (
         summarize(col(("cedana_restore", "seconds"))),
@@ -932,6 +971,13 @@ def main() -> int:
             ],
             *criu_rows(criu_dump, "stats-dump"),
             [
+                "    against runc + fsync",
+                cell(ckpt_c),
+                cell(durable_r),
+                f"{durable_ratio:.2f}",
+                "(runc's images made durable after it)",
+            ],
+            [
                 "    until committed",
                 cell(commit_c),
                 "n/a",
@@ -976,6 +1022,13 @@ def main() -> int:
                 f"<= {TARGET_RATIO}: {verdict(resumed_ratio, TARGET_RATIO)}",
             ],
             [
+                "    against runc + fsync",
+                cell(resumed_c),
+                cell(resumed_d),
+                f"{resumed_d_ratio:.2f}",
+                "(checkpoint, fsync, restore)",
+            ],
+            [
                 "(c) checkpoint bytes",
                 cell(stored, " MiB", 0),
                 cell(raw, " MiB", 0),
@@ -998,6 +1051,12 @@ def main() -> int:
             "runc": ckpt_r.as_dict(),
             "ratio_median": round(ckpt_ratio, 3),
             "meets_target": ckpt_ratio <= TARGET_RATIO,
+            "runc_then_fsync": {
+                "what": "runc checkpoint, then fdatasync of every image file (what a "
+                "durable stop costs plain runc; the writeback does not overlap the dump)",
+                "runc": durable_r.as_dict(),
+                "ratio_median": round(durable_ratio, 3),
+            },
             "cedana_until_committed": commit_c.as_dict(),
             "cedana_committed_at_exit_runs": at_exit,
             "cedana_until_compacted": compact_c.as_dict(),
@@ -1029,6 +1088,11 @@ def main() -> int:
             "runc": resumed_r.as_dict(),
             "ratio_median": round(resumed_ratio, 3),
             "meets_target": resumed_ratio <= TARGET_RATIO,
+            "runc_then_fsync": {
+                "what": "runc checkpoint, fdatasync of every image file, runc restore",
+                "runc": resumed_d.as_dict(),
+                "ratio_median": round(resumed_d_ratio, 3),
+            },
         },
         "cold_start_context": {
             "what": "cedana: `ctr run -d` of the same container before any checkpoint of its "

@@ -147,7 +147,7 @@ def main() -> int:
             if fields["JobState"] != "COMPLETED":
                 raise SystemExit(f"job {job_id} ({script.name}) failed: {fields.get('ExitCode')}")
             times = wait_for(
-                lambda: task_times(cluster.slurmd_log(), job_id), timeout=10, what="task lines"
+                lambda: task_times(cluster.log("slurmd.log"), job_id), timeout=10, what="task lines"
             )
             return times[1] - times[0]
 
@@ -224,14 +224,14 @@ def main() -> int:
         )
 
         cluster.wait_state(job_id, "PENDING", timeout=cluster.kill_wait + 60)
-        log_offset = len(cluster.slurmd_log())
+        log_offset = len(cluster.log("slurmd.log"))
         cluster.release(job_id)
         ticked = re.compile(rf"^tick {last_tick + 1}$", re.M)
         wait_for(lambda: ticked.search(cluster.output("hog.out")), timeout=120, interval=0.05,
                  what="the resumed job's output")  # fmt: skip
         resumed_at = time.time()
         started = re.search(rf"\[([0-9T:.-]+)\] \[{job_id}\.batch\] task 0 \(\d+\) started",
-                            cluster.slurmd_log()[log_offset:])  # fmt: skip
+                            cluster.log("slurmd.log")[log_offset:])  # fmt: skip
         resume_s = resumed_at - _stamp(started.group(1)) if started else float("nan")
         report.results["resume_s"] = round(resume_s, 3)
         cluster.cancel(job_id)
