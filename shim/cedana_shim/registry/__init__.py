@@ -3,7 +3,6 @@
 :class:`RegistryClient` pushes and pulls blobs (chunked, resumable, verified while
 streaming) and manifests, lists tags and deletes manifests, over TLS with docker
 ``config.json`` credentials (Basic or Bearer tokens). Repository names come from
-
 :func:`repository_for`: ``<prefix>/<namespace>``. :class:`Registry` is what the shared
 checkpoint store needs of one (a shared directory is the other backend).
 """
