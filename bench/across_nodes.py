@@ -1,8 +1,12 @@
 """Checkpoints across nodes through an OCI registry: what the registry costs, side by
 side with the same node keeping its checkpoints to itself.
 
-    python bench/across_nodes.py [--runs 5] [--warmup 1] [--mem-mib 1024]
+    python bench/across_nodes.py [--runs 5] [--warmup 1] [--mem-mib 1024] [--shared-dir]
                                  [--containerd 1.6|1.7|2.1] [--out results.json] [--keep]
+
+``--shared-dir``: A and B share a directory (``registry`` = its path, see
+checkpoint/remote/shared_dir.py) instead of the registry: the same push, pull and
+checks, with no registry process on the host's CPUs.
 
 Three containerds of this run share the host ("nodes": separate roots, stores, shims
 and logs, the same disk): L without `registry`, A and B with `registry` set to one
@@ -78,7 +82,9 @@ from _common import (
 
 ensure_venv()
 
+from cedana_shim.checkpoint.remote.shared_dir import SharedDirectory  # noqa: E402
 from cedana_shim.checkpoint.remote.tags import parse_tag  # noqa: E402
+from cedana_shim.registry import Registry as RegistryLike  # noqa: E402
 from cedana_shim.registry import RegistryClient, RegistryConfig  # noqa: E402
 from cedana_shim.task.checkpointing import LEFTOVERS_DELAY  # noqa: E402
 from checkpoint_restore import (  # noqa: E402
@@ -120,8 +126,9 @@ MB = 1e6  # throughput in MB/s, as registries and networks count
 
 @dataclass
 class Remote:
-    registry: Registry
-    client: RegistryClient
+    client: RegistryLike
+    blobs: Path  # where its blobs lie on this host (its storage, for their bytes)
+    registry: Registry | None = None  # None: a shared directory, no registry process
 
     @property
     def repo(self) -> str:
@@ -148,8 +155,8 @@ class Remote:
         return blobs
 
     def stored_bytes(self) -> int:
-        """What the registry stores (blobs and manifests), from its filesystem driver."""
-        return du_bytes(self.registry.storage / "docker" / "registry" / "v2" / "blobs")
+        """What the registry stores (blobs and manifests), from its filesystem."""
+        return du_bytes(self.blobs)
 
 
 def start_registry(root: Path, cleanup: Cleanup) -> tuple[Remote, dict[str, str]]:
@@ -168,7 +175,16 @@ def start_registry(root: Path, cleanup: Cleanup) -> tuple[Remote, dict[str, str]
     config = RegistryConfig(
         registry=env["CEDANA_REGISTRY"], auth_file=str(auth), ca_file=str(tls.ca_cert)
     )
-    return Remote(registry, RegistryClient(config)), env
+    blobs = registry.storage / "docker" / "registry" / "v2" / "blobs"
+    return Remote(RegistryClient(config), blobs, registry), env
+
+
+def shared_directory(root: Path) -> tuple[Remote, dict[str, str]]:
+    """A directory as the shared store (``registry`` = its path), on the same disk."""
+    path = root / "shared"
+    path.mkdir(mode=0o700)
+    env = {"CEDANA_REGISTRY": str(path), "CEDANA_REGISTRY_SYNC": "before-exit"}
+    return Remote(SharedDirectory(str(path)), path), env
 
 
 # -- probes --------------------------------------------------------------------------------
@@ -627,6 +643,11 @@ def main() -> int:
     parser = base_parser(__doc__ or "", default_runs=5)
     parser.add_argument("--mem-mib", type=int, default=1024, help="memory the workload fills")
     parser.add_argument("--warmup", type=int, default=1, help="discarded runs first (default 1)")
+    parser.add_argument(
+        "--shared-dir",
+        action="store_true",
+        help="a directory (registry = its path) instead of a registry: no registry process",
+    )
     args = parser.parse_args()
     if args.runs < 1 or args.mem_mib < 1 or args.warmup < 0:
         parser.error("--runs and --mem-mib must be >= 1, --warmup >= 0")
@@ -639,7 +660,9 @@ def main() -> int:
             "warmup_runs": args.warmup,
             "mem_mib": args.mem_mib,
             "containerd": args.containerd,
-            "registry": "docker-registry (distribution 2.8) on 127.0.0.1, TLS, htpasswd",
+            "registry": "a shared directory on the same disk (registry = its path)"
+            if args.shared_dir
+            else "docker-registry (distribution 2.8) on 127.0.0.1, TLS, htpasswd",
             "registry_sync": "before-exit",
             "order": "per run: (a) on A and on L, (b) on A and on B, swapped in odd runs; "
             "then (d) on A; `sync` and a pause before each timed step",
@@ -649,7 +672,11 @@ def main() -> int:
     cleanup = Cleanup()
     try:
         with private_containerd(args.containerd, cleanup, (NAMESPACE,), keep=args.keep) as base:
-            remote, env = start_registry(base.root, cleanup)
+            remote, env = (
+                shared_directory(base.root)
+                if args.shared_dir
+                else start_registry(base.root, cleanup)
+            )
             nodes = {"L": base}
             nodes |= {name: another_node(base, cleanup, (NAMESPACE,), env) for name in "AB"}
             archive, _ = build_image(base.root, build_memhog(base.root), args.mem_mib)
@@ -661,7 +688,7 @@ def main() -> int:
                 made[name] = Node(name, bench, CedanaSide(bench, ctr, cleanup), node_remote)
             report.params["containerd_full"] = base.version.full
             report.params["stores"] = {n: str(x.store) for n, x in nodes.items()}
-            report.params["registry_storage"] = str(remote.registry.storage)
+            report.params["registry_storage"] = str(remote.blobs)
             total = args.warmup + args.runs
             for i in range(total):
                 r = one_run(i, made["L"], made["A"], made["B"], args.mem_mib)
