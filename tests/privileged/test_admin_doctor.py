@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from cedana_shim.cli.admin import main
-from cedana_shim.cli.admin_doctor import check_store
+from cedana_shim.cli.admin_doctor import check_store, shared_filesystem_note
 
 
 def test_doctor_on_this_node_is_ready(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -53,4 +53,15 @@ def test_store_with_open_permissions_is_a_problem(tmp_path: Path) -> None:
     assert report["ok"] is False
     assert "0700" in report["problem"]
     os.chmod(store, 0o700)
-    assert check_store(str(store))["ok"] is True
+    report = check_store(str(store))
+    assert report["ok"] is True
+    # A local filesystem, named as `stat -f` names it, and nothing to say about it.
+    assert report["filesystem"] in ("ext2/ext3", "tmpfs", "xfs", "btrfs", "overlayfs")
+    assert "note" not in report
+
+
+@pytest.mark.parametrize("fstype", ["nfs", "lustre", "ceph"])
+def test_a_store_on_a_shared_filesystem_is_pointed_at_the_shared_directory(fstype: str) -> None:
+    note = shared_filesystem_note("/scratch/cedana", fstype)
+    assert f"/scratch/cedana is on {fstype}" in note and "set registry to a directory" in note
+    assert shared_filesystem_note("/var/lib/cedana", "ext2/ext3") == ""

@@ -124,7 +124,29 @@ def check_store(path: str) -> dict[str, Any]:
         report["ok"] = True
     usage = shutil.disk_usage(path)
     report["free_bytes"] = usage.free
+    code, fstype = _run(["stat", "-f", "-c", "%T", path])
+    if code == 0:
+        report["filesystem"] = fstype
+        if note := shared_filesystem_note(path, fstype):
+            report["note"] = note
     return report
+
+
+# `stat -f -c %T` names; a filesystem that other machines mount too.
+SHARED_FILESYSTEMS = frozenset(
+    {"nfs", "nfs4", "lustre", "ceph", "cifs", "smb2", "gpfs", "beegfs", "glusterfs", "fuseblk"}
+)
+
+
+def shared_filesystem_note(path: str, fstype: str) -> str:
+    """What to say about a store on a filesystem other machines may mount ("": none)."""
+    if fstype not in SHARED_FILESYSTEMS:
+        return ""
+    return (
+        f"{path} is on {fstype}: keep store_path on this node's own disk (the store locks "
+        "with flock(2), which not every shared filesystem makes coherent across nodes); "
+        "to share checkpoints between nodes set registry to a directory on it instead"
+    )
 
 
 def run_doctor(args: argparse.Namespace) -> int:
