@@ -109,6 +109,9 @@ def test_a_checkpoint_pushed_on_one_node_is_pulled_whole_on_another(
     assert manifest["mediaType"] == MEDIA_TYPE_MANIFEST
     assert tag.stat().st_nlink == 2  # the tag and the manifest's blob
     assert sorted(os.listdir(repo / "tags")) == [pushed.tag]  # the marker is gone
+    # The same manifest put under its tag again leaves no second name behind.
+    remote.client.put_manifest(SCOPE, pushed.tag, tag.read_bytes(), MEDIA_TYPE_MANIFEST)
+    assert sorted(os.listdir(repo / "tags")) == [pushed.tag]
     assert os.listdir(repo / "uploads") == []
     for path in [repo, *repo.rglob("*")]:
         mode = stat.S_IMODE(path.stat().st_mode)

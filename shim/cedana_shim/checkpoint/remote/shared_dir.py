@@ -216,10 +216,11 @@ class SharedDirectory:
             os.link(digest[7:], temp, src_dir_fd=blobs, dst_dir_fd=tags, follow_symlinks=False)
             try:
                 os.rename(temp, ref, src_dir_fd=tags, dst_dir_fd=tags)
-            except BaseException:
-                with contextlib.suppress(OSError):
+            finally:
+                # Gone after a rename, except when the tag already was this manifest's
+                # link: then rename(2) leaves both names.
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(temp, dir_fd=tags)
-                raise
             os.fsync(tags)
         return digest
 
