@@ -20,6 +20,7 @@ from .push import BLOCK_SIZE, OpenSource, ProgressCallback, PushResult
 from .reference import (
     RegistryLocation,
     check_digest,
+    check_ref,
     check_repository,
     check_tag,
     parse_registry,
@@ -40,6 +41,7 @@ __all__ = [
     "RegistryConfig",
     "RegistryLocation",
     "check_digest",
+    "check_ref",
     "check_repository",
     "check_tag",
     "load_credentials",

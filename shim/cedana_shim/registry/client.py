@@ -27,6 +27,7 @@ from .push import BLOCK_SIZE, BlobPush, OpenSource, ProgressCallback, PushResult
 from .reference import (
     RegistryLocation,
     check_digest,
+    check_ref,
     check_repository,
     check_tag,
     parse_registry,
@@ -254,7 +255,7 @@ class RegistryClient:
     def put_manifest(self, repo: str, ref: str, manifest: bytes, media_type: str) -> str:
         """Store a manifest under a tag (or its digest); return its digest."""
         check_repository(repo)
-        _check_ref(ref)
+        check_ref(ref)
         if not _MEDIA_TYPE_RE.fullmatch(media_type):
             raise InvalidArgument(f"manifest media type {media_type!r} is not type/subtype")
         if len(manifest) > MAX_MANIFEST_BYTES:
@@ -293,7 +294,7 @@ class RegistryClient:
     ) -> tuple[bytes, str, str]:
         """A manifest by tag or digest: ``(bytes, media type, digest)``, all verified."""
         check_repository(repo)
-        _check_ref(ref)
+        check_ref(ref)
         what = f"read of manifest {repo}:{ref}"
         response = self._get(
             repo, "GET", f"/v2/{repo}/manifests/{ref}", what, headers={"Accept": ", ".join(accept)}
@@ -468,10 +469,3 @@ class RegistryClient:
 def _check_blob(repo: str, digest: str) -> None:
     check_repository(repo)
     check_digest(digest)
-
-
-def _check_ref(ref: str) -> None:
-    if ref.startswith("sha256:"):
-        check_digest(ref)
-    else:
-        check_tag(ref)

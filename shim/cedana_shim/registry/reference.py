@@ -19,6 +19,7 @@ from cedana_shim.errors import InvalidArgument
 __all__ = [
     "RegistryLocation",
     "check_digest",
+    "check_ref",
     "check_repository",
     "check_tag",
     "parse_registry",
@@ -125,3 +126,8 @@ def check_digest(digest: str) -> str:
     if not _DIGEST_RE.fullmatch(digest):
         raise InvalidArgument(f"digest {digest!r} is not sha256:<64 lowercase hex digits>")
     return digest
+
+
+def check_ref(ref: str) -> str:
+    """Return ``ref`` if it is a manifest reference: a digest or a tag."""
+    return check_digest(ref) if ref.startswith("sha256:") else check_tag(ref)

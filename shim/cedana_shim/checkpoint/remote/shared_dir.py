@@ -52,6 +52,7 @@ from cedana_shim.registry import (
     ProgressCallback,
     PushResult,
     check_digest,
+    check_ref,
     check_repository,
     check_tag,
     repository_for,
@@ -197,11 +198,8 @@ class SharedDirectory:
                 f"{MAX_MANIFEST_BYTES}"
             )
         digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
-        if ref.startswith("sha256:"):
-            if check_digest(ref) != digest:
-                raise errors.InvalidArgument(f"manifest for {repo}@{ref} hashes to {digest}")
-        else:
-            check_tag(ref)
+        if check_ref(ref).startswith("sha256:") and ref != digest:
+            raise errors.InvalidArgument(f"manifest for {repo}@{ref} hashes to {digest}")
         _check_manifest(manifest, media_type, (media_type,), f"manifest for {repo}:{ref}")
         self.push_blob(repo, digest, len(manifest), lambda offset: io.BytesIO(manifest[offset:]))
         if ref.startswith("sha256:"):
@@ -234,8 +232,7 @@ class SharedDirectory:
     ) -> tuple[bytes, str, str]:
         """A manifest by tag or digest: ``(bytes, media type, digest)``, all verified."""
         check_repository(repo)
-        by_digest = ref.startswith("sha256:")
-        (check_digest if by_digest else check_tag)(ref)
+        by_digest = check_ref(ref).startswith("sha256:")
         what = f"read of manifest {repo}:{ref}"
         where = ("blobs", "sha256") if by_digest else ("tags",)
         name = ref[7:] if by_digest else ref
