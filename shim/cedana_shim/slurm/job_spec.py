@@ -36,12 +36,15 @@ from ..runtime.mount import Mount, mount_all
 # each to every other process of the job (kill -1 spares the sender), then exits
 # with the job's own status (128+signal when a signal ended it), as the batch
 # script would have under plain Slurm. The job's stdin is handed on explicitly: a
-# non-interactive shell gives a background command /dev/null otherwise.
+# non-interactive shell gives a background command /dev/null otherwise. A trapped
+# signal cuts `wait` short with 128+signal, and the shell may reap the job before the
+# next `kill -0` (dash did, for one signal in ~6 here): only a `wait` on a job already
+# gone tells its own status (the shell keeps it), never the interrupted one.
 INIT_SCRIPT: Final = (
     'for s in HUP INT QUIT USR1 USR2 ALRM TERM CONT; do trap "kill -$s -1" $s; done; '
     '"$@" <&0 & child=$!; '
-    'while :; do wait "$child"; status=$?; '
-    'kill -0 "$child" 2>/dev/null || exit "$status"; done'
+    'while kill -0 "$child" 2>/dev/null; do wait "$child"; done; '
+    'wait "$child"'
 )
 INIT_ARGV0: Final = "cedana-job-init"
 SHELL: Final = "/bin/sh"
