@@ -42,6 +42,7 @@ from cedana_shim.checkpoint.remote.manifest import EMPTY_CONFIG, EMPTY_DIGEST, m
 from cedana_shim.checkpoint.remote.tags import PENDING_SUFFIX, tag_for
 from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_MANIFEST
 from cedana_shim.registry import RegistryClient
+from support.cpuinfo import this_cpu, unfit
 
 from .conftest import MakeNode
 from .harness.config import CTR_NAMESPACE, SHIM_BIN_DIR
@@ -156,8 +157,9 @@ def two_nodes(
     label: str,
     script: str,
     namespace_b: str = CTR_NAMESPACE,
+    env_a: dict[str, str] | None = None,
 ) -> Iterator[Nodes]:
-    a, b = make_node(env), make_node(env)
+    a, b = make_node({**env, **(env_a or {})}), make_node(env)
     if namespace_b != CTR_NAMESPACE:
         b.import_images(namespace_b)
     with (
@@ -216,6 +218,35 @@ def test_a_checkpoint_is_not_restored_into_another_image_on_another_node(
         # The digest was asked by a child: grpc never stays in the pod's shim.
         maps = Path(f"/proc/{shim_pid(n.b, second)}/maps").read_text()
         assert "cygrpc" not in maps and "grpc" not in maps
+
+
+def test_a_checkpoint_from_a_cpu_this_node_lacks_is_skipped_before_the_pull(
+    make_node: MakeNode, node_env: dict[str, str], new_id: NewId, tmp_path: Path
+) -> None:
+    """A's dump describes a CPU with an xsave feature no CPU has (an action script puts
+    such a cpuinfo.img among A's images, as CRIU on a newer CPU would write it): B runs
+    `criu cpuinfo check` on the copy in the checkpoint's metadata, skips the checkpoint
+    with CRIU's reason before anything is pulled, and the container starts cold."""
+    unfit_image = tmp_path / "unfit-cpuinfo.img"
+    unfit_image.write_bytes(unfit(this_cpu(tmp_path / "this-cpu")))
+    newer_cpu = tmp_path / "newer-cpu.sh"
+    newer_cpu.write_text(
+        '#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
+        f'cp {unfit_image} "$CRTOOLS_IMAGE_DIR/cpuinfo.img"\n'
+    )
+    newer_cpu.chmod(0o755)
+    env_a = {"CEDANA_CRIU_CONFIG_EXTRA": f"action-script {newer_cpu}"}
+    label = unique_label("cpu")
+    with two_nodes(make_node, node_env, new_id, label, counter_script(), env_a=env_a) as n:
+        checkpoint = _stop(n.on_a, n.on_a.start("a"), n.events_a)
+        log_b = ShimLog(n.b)
+        second = n.on_b.start("b")
+        outcome = started_cold(n.events_b, second)
+        detail = str(outcome.field("detail"))
+        assert checkpoint in detail and "criu cpuinfo check: " in detail, detail
+        assert "xfeatures" in detail, detail  # CRIU's own words
+        assert not entries(n.b.store)  # refused before the pull
+        assert not log_b.find("pulled checkpoint from the registry")
 
 
 def test_a_chunk_corrupted_in_the_registry_leaves_nothing_on_the_pulling_node(

@@ -4,9 +4,9 @@ A checkpoint records the versions of the node that took it (``versions`` in its
 metadata: kernel, arch, CRIU, runc). CRIU restores onto a kernel and a CRIU at least as
 new as the dumping ones; an older one may lack what the images use (a syscall, a
 socket option, an image field) and fail half-way, or worse. The architecture must be
-the same. The CPU's features are checked by CRIU itself when it restores (its cpuinfo
-check: an incompatible CPU fails the attempt and the next candidate is tried); the GPU
-fit by the GPU steps. What is checked here runs before anything is downloaded.
+the same. The CPU's features are CRIU's to judge (cpu_fit.py runs its cpuinfo check
+before a pull; CRIU checks again when it restores); the GPU fit is the GPU steps'.
+What is checked here runs before anything is downloaded.
 """
 
 from __future__ import annotations

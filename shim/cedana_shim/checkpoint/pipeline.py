@@ -39,7 +39,7 @@ from ..runtime.mount import Mount
 from ..runtime.reaper import Reaper
 from ..runtime.runc import CheckpointOpts, Runc
 from ..runtime.tcp_repair import tcp_summary
-from . import criu_config
+from . import cpu_fit, criu_config
 from .gpu_steps import GpuDump, GpuSteps
 from .layers import (
     CRIU_LAYER,
@@ -288,6 +288,9 @@ class Pipeline:
             dump.criu = dump_stats(work_dir)
             dump.tcp_streams = _count_tcp_streams(criu_dir)
             ingest.set_metadata(**await context)
+            cpuinfo = cpu_fit.record(criu_dir)
+            if cpuinfo:  # another node checks its CPU against it before a pull
+                ingest.set_metadata(**{cpu_fit.METADATA_KEY: cpuinfo})
             with dump.clock.phase("rootfs"):
                 await asyncio.to_thread(self._capture_files, target, ingest)
             if not request.keep_frozen:

@@ -64,7 +64,7 @@ from ..errors import (
 )
 from ..hooks import HookRunner, HookState, Stage
 from ..runtime.criu_stats import restore_stats
-from . import criu_config
+from . import cpu_fit, criu_config
 from .compat import image_mismatch, incompatible
 from .gpu_steps import GpuSteps
 from .layers import CRIU_LAYER, ROOTFS_LAYER, SHM_LAYER, shm_source
@@ -123,6 +123,11 @@ class RestoreHost(Protocol):
     async def network_facts(self) -> Any: ...
     async def tool_versions(self) -> Mapping[str, str]:
         """This node's kernel, arch, CRIU and runc versions (as a checkpoint records)."""
+        ...
+
+    async def cpu_misfit(self, cpuinfo: bytes, cpu_cap: str) -> str:
+        """Why this node's CPU cannot restore a dump whose CRIU wrote ``cpuinfo``
+        (:func:`.cpu_fit.check`); "" when it fits."""
         ...
 
     async def restore_images(self, request: RestoreRequest) -> int:
@@ -465,7 +470,7 @@ class RestoreSession:
             if isinstance(candidate, Entry):
                 entry = candidate
             else:
-                pulled = await self._pull(candidate, here)
+                pulled = await self._pull(candidate, here, host)
                 if pulled is None:
                     continue
                 entry = pulled
@@ -487,10 +492,12 @@ class RestoreSession:
                 await host.reset_rootfs()
         return None
 
-    async def _pull(self, candidate: RemoteCheckpoint, here: Mapping[str, str]) -> Entry | None:
+    async def _pull(
+        self, candidate: RemoteCheckpoint, here: Mapping[str, str], host: RestoreHost
+    ) -> Entry | None:
         """A checkpoint from the registry into this node's store, if this node can take
-        it (checked on its metadata before anything large is downloaded); None when it
-        was skipped (recorded)."""
+        it (checked on its metadata before anything large is downloaded: versions, the
+        image, the CPU's features, the GPUs); None when it was skipped (recorded)."""
         assert self._remote is not None
         node = candidate.node or f"#{candidate.node_hash}"
         what = f"{candidate.checkpoint_id} (registry, from node {node})"
@@ -498,8 +505,15 @@ class RestoreSession:
             with self.result.timing("pull"):
                 remote = self._remote()
                 metadata = await asyncio.to_thread(remote.fetch_metadata, candidate)
-                why = incompatible(metadata, here) or image_mismatch(
-                    metadata, self.policy.image, await self._container_image_digest()
+                why = (
+                    incompatible(metadata, here)
+                    or image_mismatch(
+                        metadata, self.policy.image, await self._container_image_digest()
+                    )
+                    or await cpu_fit.misfit(
+                        metadata.get(cpu_fit.METADATA_KEY), self.config, host.cpu_misfit
+                    )
+                    or await asyncio.to_thread(self._gpu_misfit, metadata, host.spec)
                 )
                 if why:
                     self._refuse(FailedPrecondition, what, why)
@@ -541,7 +555,7 @@ class RestoreSession:
         """Verify ``entry`` and lay it out for CRIU and the new rootfs. Blocking."""
         work = os.path.join(host.bundle, "work", RESTORE_DIR, entry.id)
         try:
-            device_map = self._gpu_mapping(entry, host.spec)
+            device_map = self._gpu_mapping(entry.metadata, host.spec)
             shutil.rmtree(work, ignore_errors=True)
             os.makedirs(work, mode=0o700)
             raw = None
@@ -597,11 +611,21 @@ class RestoreSession:
                     expected_bytes=entry.layer(name).raw_size,
                 )
 
-    def _gpu_mapping(self, entry: Entry, spec: Mapping[str, Any]) -> dict[str, str] | None:
-        recorded = entry.metadata.get("gpu")
+    def _gpu_mapping(
+        self, metadata: Mapping[str, Any], spec: Mapping[str, Any]
+    ) -> dict[str, str] | None:
+        recorded = metadata.get("gpu")
         if not isinstance(recorded, Mapping) or not recorded.get("processes"):
             return None
         return self.gpu.restore_mapping(recorded, spec, self.container_id)
+
+    def _gpu_misfit(self, metadata: Mapping[str, Any], spec: Mapping[str, Any]) -> str:
+        """Why this node's GPUs cannot take a checkpoint with ``metadata``; "". Blocking."""
+        try:
+            self._gpu_mapping(metadata, spec)
+        except ShimError as err:
+            return str(err)
+        return ""
 
     # -- Start: restore, fall back, or start cold ------------------------------------
 

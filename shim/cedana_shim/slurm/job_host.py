@@ -19,6 +19,7 @@ import signal
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from ..checkpoint import cpu_fit
 from ..checkpoint.pipeline import Target
 from ..checkpoint.policy import Policy
 from ..checkpoint.restore import RestoreRequest
@@ -131,6 +132,9 @@ class JobHost:
 
     async def tool_versions(self) -> Mapping[str, str]:
         return dict(await self._versions.get(self.runc))
+
+    async def cpu_misfit(self, cpuinfo: bytes, cpu_cap: str) -> str:
+        return await cpu_fit.check(self.runc, cpuinfo, cpu_cap)
 
     async def restore_images(self, request: RestoreRequest) -> int:
         if self.script is not None:

@@ -260,6 +260,11 @@ class Container:
         assert self.cr is not None  # a restore session exists for opted-in containers only
         return await self.cr.pipeline.versions.get(self.runc)
 
+    async def cpu_misfit(self, cpuinfo: bytes, cpu_cap: str) -> str:
+        from ..checkpoint.cpu_fit import check
+
+        return await check(self.runc, cpuinfo, cpu_cap)
+
     async def restore_images(self, request: RestoreRequest) -> int:
         """``runc restore``; lazily (``request.lazy_pages``) it returns once every page is
         in, the tasks running (and their stdio copied) meanwhile."""
