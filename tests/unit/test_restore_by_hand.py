@@ -352,6 +352,36 @@ def test_a_registry_checkpoint_of_another_image_is_skipped_before_the_pull(
     TaskWorld(tmp_path).run(body)
 
 
+@pytest.mark.parametrize(
+    ("recorded", "reason"),
+    [
+        ({"cpuinfo": "not base64!"}, "its recorded CPU description (cpuinfo) is malformed"),
+        ({"gpu": {"processes": [{"pid": 1}], "inventory": {}}}, "GPU: "),  # no NVML here
+    ],
+    ids=["cpu", "gpu"],
+)
+def test_a_registry_checkpoint_this_node_cannot_run_is_skipped_before_the_pull(
+    tmp_path: Path, recorded: dict[str, object], reason: str
+) -> None:
+    """The CPU and the GPUs a checkpoint needs are weighed on its metadata, before
+    anything is pulled (this node has no GPU)."""
+
+    async def body(env: TaskEnv) -> None:
+        _, _, third = await three_checkpoints(env)
+        registry = FakeRegistry()
+        registry.metadata = {"image": "app:2", "versions": {}, **recorded}
+        env.pipeline._remote = registry  # type: ignore[assignment]
+        env.pipeline.config = replace(env.pipeline.config, registry="registry.invalid/cedana")
+        await create(env, "c1", annotations={IMAGE_KEY: "app:2"})
+        await env.start("c1")
+        await counter_reaches(env, "c1", "31")
+        outcome = outcome_of(env, "c1")
+        assert (outcome.outcome, outcome.checkpoint_id) == ("restored", third)
+        assert f"{NEWER_REMOTE} (registry, from node node-b): {reason}" in outcome.detail
+
+    TaskWorld(tmp_path).run(body)
+
+
 def test_image_mismatch_compares_digests_first_then_names() -> None:
     d1, d2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
     pinned = {"image": f"app@{d1}", "imageDigest": d1}
