@@ -78,7 +78,9 @@ CRIU_FEATURES = (
     (
         "mem_dirty_track",
         "dirtyTracking",
-        "the kernel tracks dirty pages (CONFIG_MEM_SOFT_DIRTY)",
+        "the kernel tracks dirty pages (CONFIG_MEM_SOFT_DIRTY), which this shim does not "
+        "use yet: every dump freezes the container for all of its memory; periodic "
+        "checkpoints store and upload only the chunks that changed",
         "no dirty-page tracking in this kernel (CONFIG_MEM_SOFT_DIRTY): every dump "
         "freezes the container for all of its memory; periodic checkpoints still store "
         "and upload only the chunks that changed",
