@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
-from cedana_shim.checkpoint.remote import RemoteCheckpoint, RemoteStore
+from cedana_shim.checkpoint.remote import Outbox, RemoteCheckpoint, RemoteStore, sync
 from cedana_shim.checkpoint.remote.shared_dir import STALE_UPLOAD_S, SharedDirectory
 from cedana_shim.checkpoint.store import Store
 from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_MANIFEST
@@ -269,6 +269,26 @@ def test_prune_removes_superseded_manifests_and_their_tags(store: Store, shared:
     assert [c.checkpoint_id for c in remote.candidates(SCOPE, "trainer")] == [ids[2]]
     (kept,) = os.listdir(shared / SCOPE / "tags")
     assert os.stat(shared / SCOPE / "tags" / kept).st_nlink == 2
+
+
+@pytest.mark.parametrize(("retain", "kept"), [(0, 3), (2, 2)])
+def test_whoever_syncs_keeps_the_nodes_retain_per_label(
+    store: Store, shared: Path, retain: int, kept: int
+) -> None:
+    """The node agent and the CLI sync as a shim does: retention applies (0: none)."""
+    config = NodeConfig(registry=str(shared), retain=max(retain, 1))
+    remote = RemoteStore.from_config(store, config, "node-a")
+    assert remote is not None and remote.retain == max(retain, 1)
+    remote.retain = retain
+    outbox = Outbox(store.root)
+    ids = [commit_checkpoint(store, _files(os.urandom(64 << 10))).id for _ in range(3)]
+    for checkpoint_id in ids:
+        outbox.add(checkpoint_id)
+    result = sync(remote, outbox)
+    assert sorted(result.pushed) == sorted(ids) and outbox.pending() == []
+    listed = [c.checkpoint_id for c in remote.candidates(SCOPE, "trainer")]
+    assert len(listed) == kept and set(listed) <= set(ids)
+    assert len(os.listdir(shared / SCOPE / "tags")) == kept
 
 
 def test_the_directory_must_exist_and_be_the_nodes_alone(tmp_path: Path) -> None:

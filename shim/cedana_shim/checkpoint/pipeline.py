@@ -197,25 +197,12 @@ class Pipeline:
         """Push ``ids`` (or every pending push) to the registry (compacting a raw one on
         the way, each chunk sent as it is compressed; ``on_compacted`` is told; niced
         unless ``urgent``: a stop's exit waits), then keep the newest ``retain``
-        checkpoints of each label pushed there too. Blocking."""
+        checkpoints of each label pushed there too (remote.sync). Blocking."""
         from .remote import sync
 
-        remote = self.remote()
-        result = sync(remote, self.outbox(), only=ids, on_compacted=on_compacted, niced=not urgent)
-        labels = set()
-        for checkpoint_id in result.pushed:
-            with contextlib.suppress(ShimError, OSError):
-                entry = self.store.get(checkpoint_id)
-                labels.add((entry.scope, entry.label))
-        for scope, label in sorted(labels):
-            try:
-                remote.prune(scope, label, self.config.retain)
-            except (ShimError, OSError) as err:
-                log.warning(
-                    "cannot prune the registry",
-                    extra={"scope": scope, "label": label, "error": str(err)},
-                )
-        return result
+        return sync(
+            self.remote(), self.outbox(), only=ids, on_compacted=on_compacted, niced=not urgent
+        )
 
     async def warm_up(self, runc: Runc) -> None:
         """Pay now for what the first dump of this daemon would otherwise pay beside

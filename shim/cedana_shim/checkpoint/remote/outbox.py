@@ -144,7 +144,9 @@ def sync(
     niced: bool = True,
 ) -> SyncResult:
     """Push every pending checkpoint (or those of ``only`` that are pending), oldest
-    first (see the module doc).
+    first (see the module doc); then keep the newest ``remote.retain`` checkpoints of
+    each label it pushed in the registry. Whoever syncs (a shim, the node agent, the
+    CLI), retention applies.
 
     ``progress(checkpoint_id, done, total)`` follows each push's bytes;
     ``on_compacted`` is told of each raw checkpoint the push compacted (``niced``, or
@@ -180,7 +182,26 @@ def sync(
                 continue
             outbox.done(checkpoint_id)
             result.pushed.append(checkpoint_id)
+    if remote.retain > 0:
+        _prune_labels(remote, result.pushed)
     return result
+
+
+def _prune_labels(remote: RemoteStore, pushed: Collection[str]) -> None:
+    """Retention in the registry for the labels of ``pushed``; never fails the sync."""
+    labels = set()
+    for checkpoint_id in pushed:
+        with contextlib.suppress(errors.ShimError, OSError):
+            entry = remote.store.get(checkpoint_id)
+            labels.add((entry.scope, entry.label))
+    for scope, label in sorted(labels):
+        try:
+            remote.prune(scope, label, remote.retain)
+        except (errors.ShimError, OSError) as err:
+            log.warning(
+                "cannot prune the registry",
+                extra={"scope": scope, "label": label, "error": str(err)},
+            )
 
 
 def _for(

@@ -64,10 +64,13 @@ def _newest_first(tags: Iterable[CheckpointTag]) -> _Tags:
 class RemoteStore:
     """A node's view of the registry (see the module doc); safe to share between threads."""
 
-    def __init__(self, store: Store, client: Registry, node: str) -> None:
+    def __init__(self, store: Store, client: Registry, node: str, *, retain: int = 0) -> None:
         self.store = store
         self.client = client
         self.node = check_node(node)
+        # Checkpoints kept per label in the registry after a sync pushed to it (the
+        # node config's `retain`); 0 prunes nothing.
+        self.retain = retain
         self._deletes_refused = False
         self._lock = threading.Lock()
 
@@ -77,7 +80,7 @@ class RemoteStore:
         if not config.registry:
             return None
         if names_shared_dir(config.registry):
-            return cls(store, SharedDirectory(config.registry), node)
+            return cls(store, SharedDirectory(config.registry), node, retain=config.retain)
         settings = RegistryConfig(
             registry=config.registry,
             auth_file=config.registry_auth_file,
@@ -86,7 +89,8 @@ class RemoteStore:
             timeout=config.registry_timeout,
         )
         uploads = os.path.join(store.root, "outbox", "uploads")
-        return cls(store, RegistryClient(settings, upload_state_dir=uploads), node)
+        client = RegistryClient(settings, upload_state_dir=uploads)
+        return cls(store, client, node, retain=config.retain)
 
     # -- push -------------------------------------------------------------------------
 
