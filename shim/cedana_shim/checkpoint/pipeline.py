@@ -152,6 +152,7 @@ class Pipeline:
         self.gpu = gpu
         self.versions = Versions()
         self._remote: RemoteStore | None = None
+        self._auth_stamp: tuple[int, ...] | None = None
 
     # -- the registry (node config `registry`) ------------------------------------------
 
@@ -162,14 +163,17 @@ class Pipeline:
         return Outbox(self.store.root)
 
     def remote(self) -> RemoteStore:
-        """The registry of the node config; built once (credentials are read then)."""
-        if self._remote is None:
+        """The registry of the node config; built again when its credentials file has
+        changed since (a rotated Secret, such as ECR's 12-hour tokens, reaches a daemon
+        that lives for weeks: the node agent installs the new file)."""
+        stamp = _file_stamp(self.config.registry_auth_file)
+        if self._remote is None or stamp != self._auth_stamp:
             from .remote import RemoteStore
 
             remote = RemoteStore.from_config(self.store, self.config, platform.node())
             if remote is None:
                 raise FailedPrecondition("no registry in the node config")
-            self._remote = remote
+            self._remote, self._auth_stamp = remote, stamp
         return self._remote
 
     def push_refusal(self, scope: str) -> str:
@@ -408,6 +412,17 @@ class Pipeline:
         with contextlib.suppress(OSError):
             network = {**network, "tcp": await tcp}
         return {"versions": versions, "network": network}
+
+
+def _file_stamp(path: str) -> tuple[int, ...] | None:
+    """What changes when a file is replaced or rewritten; None for no file."""
+    if not path:
+        return None
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 async def _settle(task: asyncio.Task[Any]) -> None:
