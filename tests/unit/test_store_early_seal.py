@@ -116,32 +116,53 @@ def test_a_prefix_of_another_inode_or_a_longer_one_is_not_used(tmp_path: Path) -
         assert _publish_followed(tmp_path / change, change).size == 8 * PIECE
 
 
-def test_a_pass_fdatasyncs_what_it_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    synced: list[int] = []
-    real = os.fdatasync
+def test_a_pass_starts_the_writeback_of_what_it_read_and_never_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[tuple[int, int]] = []
+    real = early_seal.start_writeback
 
-    def spy(fd: int) -> None:
-        synced.append(os.fstat(fd).st_size)
-        real(fd)
+    def spy(fd: int, offset: int, length: int) -> None:
+        started.append((offset, length))
+        real(fd, offset, length)
 
-    monkeypatch.setattr(early_seal.os, "fdatasync", spy)
+    def never(fd: int) -> None:
+        raise AssertionError("an fdatasync per pass stalls CRIU's appends (journal commits)")
+
+    monkeypatch.setattr(early_seal, "start_writeback", spy)
+    monkeypatch.setattr(early_seal.os, "fdatasync", never)
     (tmp_path / "pages-2.img").write_bytes(os.urandom(PIECE))
     sealer = EarlySealer(str(tmp_path))
     _wait_until_read(sealer, PIECE)
+    with (tmp_path / "pages-2.img").open("ab") as f:
+        f.write(os.urandom(PIECE))
+    _wait_until_read(sealer, 2 * PIECE)
     sealer.stop()
-    assert synced and synced[0] == PIECE
+    assert started[:2] == [(0, PIECE), (PIECE, PIECE)]
 
 
-def test_a_failed_early_fdatasync_fails_the_publish(
+def test_the_writeback_starts_with_sync_file_range(tmp_path: Path) -> None:
+    """The real call: the range given back to the kernel, no error."""
+    assert early_seal._SYNC_FILE_RANGE is not None  # Linux's libc has it
+    path = tmp_path / "pages-1.img"
+    path.write_bytes(os.urandom(PIECE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        early_seal.start_writeback(fd, 0, PIECE)
+    finally:
+        os.close(fd)
+
+
+def test_a_writeback_that_cannot_start_fails_the_publish(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The kernel reports a writeback error once per open file description: the
-    seal's fsync, on a later one, would pass over the lost pages."""
+    """Delayed allocation finds a full disk when the writeback starts: the publish
+    fails with it (the seal's own fsync may not be told)."""
 
-    def full(fd: int) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(early_seal.os, "fdatasync", full)
+    monkeypatch.setattr(early_seal, "start_writeback", full)
     store = make_store(tmp_path)
     ing = store.begin(scope="ns", label="app", metadata={"container": "c1"})
     images = Path(ing.dir("criu"))

@@ -133,7 +133,7 @@ class Ingest:
         self._metadata: dict[str, Any] = dict(metadata)
         self._layers: list[PendingLayer] = []
         self.raw_layers: set[str] = set()  # dir layers whose raw files the store caches
-        # By directory: what seal_early read, and the fdatasync error that ended it.
+        # By directory: what seal_early read, and the writeback error that ended it.
         self._prefixes: dict[str, tuple[dict[str, Prefix], OSError | None]] = {}
         self._state: Literal["open", "committing", "closed"] = "open"
 
@@ -232,7 +232,7 @@ class Ingest:
 
     def prefixes(self, directory: str) -> Mapping[str, Prefix]:
         """What seal_early read of ``directory``'s files, by name; raises the
-        fdatasync error that ended it (the seal's own fsync would not see it)."""
+        writeback error that ended it (the seal's own fsync may not see it)."""
         read, error = self._prefixes.get(os.path.abspath(directory), ({}, None))
         if error is not None:
             raise error
