@@ -34,7 +34,7 @@ is handed on with the prefixes and the publish raises it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import functools
 import os
 import stat
 import threading
@@ -64,7 +64,12 @@ class Prefix:
 _SYNC_FILE_RANGE_WRITE: Final = 2  # start writing the range back; wait for nothing
 
 
+@functools.cache
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's sync_file_range (Python's os has none); looked up at the first dump, not
+    at import: the daemon that imports the store may never dump."""
+    import ctypes
+
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         call = libc.sync_file_range
@@ -75,15 +80,15 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     return call
 
 
-_SYNC_FILE_RANGE = _sync_file_range()
-
-
 def start_writeback(fd: int, offset: int, length: int) -> None:
     """Have the kernel start writing ``length`` bytes at ``offset`` of ``fd`` to disk
     (fdatasync where sync_file_range is missing)."""
-    if _SYNC_FILE_RANGE is None:
+    call = _sync_file_range()
+    if call is None:
         os.fdatasync(fd)
-    elif _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
+    elif call(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
+        import ctypes
+
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
 
