@@ -22,6 +22,19 @@ from .errors import InvalidArgument
 DEFAULT_PATH = "/etc/cedana/shim.toml"
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: anything longer is a typo, not a timeout
 
+Stamp = tuple[int, int, int] | None
+
+
+def file_stamp(path: str) -> Stamp:
+    """What changes when a file named by the config is replaced or rewritten (its
+    inode, size, mtime): a daemon reads the file again only when this does. None when
+    there is no file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
 
 @dataclass(frozen=True, slots=True)
 class NodeConfig:

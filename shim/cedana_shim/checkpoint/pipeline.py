@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
-from ..config import NodeConfig
+from ..config import NodeConfig, Stamp, file_stamp
 from ..errors import FailedPrecondition, ResourceExhausted, ShimError
 from ..hooks import HookRunner, HookState, Stage
 from ..runtime.criu_stats import dump_stats
@@ -152,7 +152,7 @@ class Pipeline:
         self.gpu = gpu
         self.versions = Versions()
         self._remote: RemoteStore | None = None
-        self._auth_stamp: tuple[int, ...] | None = None
+        self._auth_stamp: Stamp = None
 
     # -- the registry (node config `registry`) ------------------------------------------
 
@@ -166,7 +166,7 @@ class Pipeline:
         """The registry of the node config; built again when its credentials file has
         changed since (a rotated Secret, such as ECR's 12-hour tokens, reaches a daemon
         that lives for weeks: the node agent installs the new file)."""
-        stamp = _file_stamp(self.config.registry_auth_file)
+        stamp = file_stamp(self.config.registry_auth_file)  # "": None
         if self._remote is None or stamp != self._auth_stamp:
             from .remote import RemoteStore
 
@@ -412,17 +412,6 @@ class Pipeline:
         with contextlib.suppress(OSError):
             network = {**network, "tcp": await tcp}
         return {"versions": versions, "network": network}
-
-
-def _file_stamp(path: str) -> tuple[int, ...] | None:
-    """What changes when a file is replaced or rewritten; None for no file."""
-    if not path:
-        return None
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 async def _settle(task: asyncio.Task[Any]) -> None:

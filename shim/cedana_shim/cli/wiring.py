@@ -12,11 +12,9 @@ import os
 from ..checkpoint.gpu_steps import GpuSteps
 from ..checkpoint.pipeline import Pipeline
 from ..checkpoint.store import Store, StoreConfig
-from ..config import DEFAULT_PATH, NodeConfig, load_node_config
+from ..config import DEFAULT_PATH, NodeConfig, Stamp, file_stamp, load_node_config
 from ..hooks import ProcessHookRunner, reaper_spawn
 from ..runtime.reaper import Reaper
-
-Stamp = tuple[int, int, int] | None
 
 
 def build_pipeline(config: NodeConfig, reaper: Reaper) -> Pipeline:
@@ -47,7 +45,7 @@ class NodePipelines:
     def config(self, config_path: str) -> NodeConfig:
         """The node config in ``config_path`` ("" = the default file), read again only
         when the file changed."""
-        stamp = _stamp(config_path or os.environ.get("CEDANA_CONFIG") or DEFAULT_PATH)
+        stamp = file_stamp(config_path or os.environ.get("CEDANA_CONFIG") or DEFAULT_PATH)
         known = self._configs.get(config_path)
         if known is not None and known[0] == stamp:
             return known[1]
@@ -61,11 +59,3 @@ class NodePipelines:
         if pipeline is None or pipeline.config != config:
             pipeline = self._built[config_path] = build_pipeline(config, self.reaper)
         return pipeline
-
-
-def _stamp(path: str) -> Stamp:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
