@@ -16,7 +16,7 @@ Not fdatasync: on ext4 each fdatasync of a file still growing commits the journa
 per pass a 1 GiB appender took 0.51-0.52 s (0.22-2.37) instead of 0.25 s, with
 only writeback started 0.26-0.34 s (0.25-1.08), in two runs of an interleaved
 micro-benchmark on the benchmark VM. In whole stops of 1 GiB (bench/README.md,
-2026-12-03, four runs of each alternated) the stop took 1.12-1.81x plain runc's
+2026-12-03, five and six runs of each) the stop took 1.12-1.83x plain runc's
 checkpoint with writeback started, 1.94-2.05x with an fdatasync per pass.
 
 A prefix is trusted only because CRIU appends page images and never rewrites
