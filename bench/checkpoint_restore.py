@@ -532,27 +532,48 @@ class CedanaSide:
             **shim_breakdown(self.b, offset, cid, t0_wall),
         }
 
-    def kill_to_resumed(self, cid: str, cid_next: str, label: str, previous: str) -> float:
+    def kill_to_resumed(
+        self, cid: str, cid_next: str, label: str, previous: str
+    ) -> dict[str, float | None]:
         """From `ctr task kill -s SIGTERM` of a running container of the label until the
         next container of the label is RUNNING again from the stop's checkpoint: what a
         user waits for. The next container is started as soon as a new checkpoint of
-        the label is restorable (at once when it was durable before the exit)."""
+        the label is restorable (at once when it was durable before the exit). Also
+        where the time went: the exit, the checkpoint listed, and the next container's
+        `ctr run` split by the shim's log."""
         with TaskWaiter(self.b.containerd.socket, NAMESPACE, cid) as waiter:
             time.sleep(0.3)
             kill = self.ctr.argv("task", "kill", "-s", "SIGTERM", cid)
+            offset = self.b.containerd.log_offset()
+            t0_wall = time.time()
             t0 = time.perf_counter()
             subprocess.run(kill, stdin=subprocess.DEVNULL, capture_output=True, check=True)
             waiter.result(timeout=600)
+            t_exit = time.perf_counter() - t0
         wait_until(
             f"a new checkpoint of {label}",
             lambda: (e := store_checkpoint(self.b.store, label)) and e["id"] != previous,
             300,
             interval=0.005,
         )
-        self.start(cid_next, label)  # a new container, as kubelet would start one
-        elapsed = time.perf_counter() - t0
+        t_listed = time.perf_counter() - t0
+        # A new container, as kubelet would start one; the clock stops when `ctr run`
+        # returns with it RUNNING (start() then reads its pid and the log).
+        t_run = time.perf_counter() - t0
+        run_s, _, breakdown = self.start(cid_next, label)
+        elapsed = t_run + run_s
+        stop = shim_breakdown(self.b, offset, cid, t0_wall)
+        frozen = shim_criu(self.b, offset, cid, "checkpoint committed").get("frozen_s")
         self.ctr.remove(cid)
-        return elapsed
+        return {
+            "seconds": elapsed,
+            "exit_s": round(t_exit, 3),
+            "listed_s": round(t_listed, 3),
+            "stop_runc_checkpoint_s": stop.get("shim_runc_checkpoint_s"),
+            "stop_criu_frozen_s": frozen,
+            "next_run_s": round(run_s, 3),
+            **breakdown,
+        }
 
 
 # -- runc side ---------------------------------------------------------------------------
@@ -711,9 +732,9 @@ def one_run(
             before = read_beat(pid)
             settle()
             again = f"{cid}-again"
-            seconds = ced.kill_to_resumed(cid_restored, again, label, stop["store"]["id"])
+            resumed = ced.kill_to_resumed(cid_restored, again, label, stop["store"]["id"])
             out["cedana_kill_to_resumed"] = {
-                "seconds": seconds,
+                **resumed,
                 **check_resumed(ced.task_pid(again), before, mib, f"cedana container {again}"),
             }
             ced.ctr.remove(again)
@@ -900,6 +921,15 @@ def main() -> int:
             [float(v) for r in runs if (v := (r[side].get("criu") or {}).get(key)) is not None]
         )
 
+    # Where (d)'s time goes: the kill -> exit, -> the checkpoint listed, the next
+    # container's `ctr run`, and inside it the shim's Create and its runc restore.
+    resumed_split = {
+        key: shim("cedana_kill_to_resumed", key)
+        for key in (
+            "exit_s", "stop_runc_checkpoint_s", "stop_criu_frozen_s", "listed_s",
+            "next_run_s", "shim_created_after_s", "shim_runc_restore_s",
+        )
+    }  # fmt: skip
     criu_keys = ("freezing_s", "frozen_s", "memdump_s", "memwrite_s", "pages_written")
     criu_dump = {key: (criu("cedana_stop", key), criu("runc_checkpoint", key)) for key in criu_keys}
     criu_restore_keys = ("forking_s", "restore_s", "pages_restored")
@@ -1028,6 +1058,11 @@ def main() -> int:
                 f"{resumed_d_ratio:.2f}",
                 "(checkpoint, fsync, restore)",
             ],
+            *[
+                [f"    cedana {key.removesuffix('_s').replace('_', ' ')}", cell(s), "", "", ""]
+                for key, s in resumed_split.items()
+                if s.n
+            ],
             [
                 "(c) checkpoint bytes",
                 cell(stored, " MiB", 0),
@@ -1088,6 +1123,7 @@ def main() -> int:
             "runc": resumed_r.as_dict(),
             "ratio_median": round(resumed_ratio, 3),
             "meets_target": resumed_ratio <= TARGET_RATIO,
+            "cedana_split": {key: s.as_dict() for key, s in resumed_split.items() if s.n},
             "runc_then_fsync": {
                 "what": "runc checkpoint, fdatasync of every image file, runc restore",
                 "runc": resumed_d.as_dict(),

@@ -62,6 +62,7 @@ SOURCES: dict[str, str] = {
     "local/runtime_info.proto": "containerd/types/introspection.proto",
     "local/cedana.proto": "cedana/v1/cedana.proto",
     "local/criu_stats.proto": "criu/stats.proto",
+    "local/criu_pagemap.proto": "criu/pagemap.proto",
 }
 # import spellings used upstream that are not the canonical SOURCES keys
 ALIASES = {"google/rpc/status.proto": "local/google_rpc_status.proto"}

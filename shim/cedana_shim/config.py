@@ -55,6 +55,9 @@ class NodeConfig:
     # How long a restore waits for a checkpoint of its label that is still being
     # written (a stop in flight on this node) before it picks from what is committed.
     label_wait_timeout: float = 120.0
+    # auto: where the kernel tracks dirty pages (CRIU's mem_dirty_track), a container's
+    # next dump writes only the pages it wrote since its last checkpoint; off: never.
+    dirty_tracking: str = "auto"
     tcp_established: bool = True  # dump established TCP connections (restored when the IP is kept)
     file_locks: bool = True
     criu_config_extra: str = ""  # lines appended to the CRIU config file runc reads
@@ -144,6 +147,11 @@ def load_node_config(path: str | None = None, env: Mapping[str, str] | None = No
     if config.gpu_backend not in ("auto", "driver-api", "cuda-checkpoint"):
         raise InvalidArgument(
             f"gpu_backend {config.gpu_backend!r} is not auto, driver-api or cuda-checkpoint"
+        )
+    if config.dirty_tracking not in ("auto", "off"):
+        raise InvalidArgument(
+            f"cedana node config {file}: dirty_tracking {config.dirty_tracking!r} is not "
+            "auto or off"
         )
     if config.retain < 1:
         raise InvalidArgument(f"retain {config.retain} must keep at least one checkpoint")

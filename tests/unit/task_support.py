@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from cedana_shim.api.cedana.v1 import cedana_pb2 as cedana_pb
 from cedana_shim.api.containerd.events import task_pb2 as ev
 from cedana_shim.api.containerd.task.v2 import shim_pb2 as pb
+from cedana_shim.checkpoint.dirty_tracking import DirtyTracking
 from cedana_shim.checkpoint.gpu_steps import GpuSteps
 from cedana_shim.checkpoint.pipeline import Pipeline
 from cedana_shim.checkpoint.store import Store, StoreConfig
@@ -161,6 +162,8 @@ class TaskEnv:
             StoreConfig(root=self.config.store_path, retain=self.config.retain)
         )
         self.pipeline = Pipeline(self.store, self.config, self.hooks, GpuSteps(self.config, reaper))
+        # Not this machine's kernel: a test that wants dirty tracking says so.
+        self.pipeline.tracking = DirtyTracking(self.config.dirty_tracking, available=False)
         self.checkpoints = CheckpointManager(self.events, OnePipeline(self.pipeline))
         self.service = TaskService(
             NAMESPACE,

@@ -29,6 +29,7 @@ def test_file_then_env_override(tmp_path: Path) -> None:
         ("chunk_size = 100\n", "chunk_size 100 must be 0"),
         ('registry_sync = "later"\n', "before-exit or background"),
         ("registry_timeout = 0\n", "registry_timeout"),
+        ('dirty_tracking = "on"\n', "dirty_tracking 'on' is not auto or off"),
     ],
 )
 def test_mistakes_are_reported(tmp_path: Path, body: str, message: str) -> None:

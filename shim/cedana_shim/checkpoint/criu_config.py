@@ -28,7 +28,7 @@ def config_path(bundle: str) -> str:
     return os.path.join(bundle, FILE_NAME)
 
 
-def dump_options(config: NodeConfig) -> list[str]:
+def dump_options(config: NodeConfig, *, track_mem: bool = False) -> list[str]:
     """Options runc has no flag for (tcp-established, ext-unix-sk and file-locks go
     through runc's own flags)."""
     return [
@@ -36,6 +36,9 @@ def dump_options(config: NodeConfig) -> list[str]:
         "link-remap",
         # Data still in flight on half-open connections is not ours to save.
         "skip-in-flight",
+        # Clear the soft-dirty bits after the dump: the next one can write only what
+        # changed (dirty_tracking.py). runc sets it itself only with a parent.
+        *(["track-mem"] if track_mem else []),
         *_extra(config),
     ]
 

@@ -27,19 +27,20 @@ import shutil
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..config import NodeConfig, Stamp, file_stamp
-from ..errors import FailedPrecondition, ResourceExhausted, ShimError
+from ..errors import DataLoss, FailedPrecondition, ResourceExhausted, ShimError
 from ..hooks import HookRunner, HookState, Stage
 from ..runtime.criu_stats import dump_stats
 from ..runtime.mount import Mount
 from ..runtime.reaper import Reaper
 from ..runtime.runc import CheckpointOpts, Runc
 from ..runtime.tcp_repair import tcp_summary
-from . import cpu_fit, criu_config
+from . import cpu_fit, criu_config, pagemap
+from .dirty_tracking import DirtyTracking
 from .gpu_steps import GpuDump, GpuSteps
 from .layers import (
     CRIU_LAYER,
@@ -111,6 +112,18 @@ class Dump:
     # Established TCP connections CRIU saved (its tcp-stream images): only those
     # need keeping open for their peers across a stop's kill.
     tcp_streams: int = 0
+    # (container id, init pid) of a dump that tracked dirty pages: once committed, it
+    # is the parent of that container's next dump (dirty_tracking.py).
+    tracked: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Parent:
+    """The checkpoint a dump tracking dirty pages is taken against."""
+
+    id: str
+    relative: str  # its raw CRIU images, relative to the dump's images dir
+    checked: asyncio.Future[None]  # their CRC-32s, checked beside the dump
 
 
 @dataclass
@@ -151,6 +164,7 @@ class Pipeline:
         self.hooks = hooks
         self.gpu = gpu
         self.versions = Versions()
+        self.tracking = DirtyTracking(config.dirty_tracking)
         self._remote: RemoteStore | None = None
         self._auth_stamp: Stamp = None
 
@@ -216,6 +230,7 @@ class Pipeline:
         await asyncio.sleep(WARM_UP_DELAY)
         with contextlib.suppress(Exception):
             await self.versions.get(runc)
+            await self.tracking.available(runc)
             await asyncio.to_thread(preload_network_facts)
 
     async def dump(self, target: Target, request: DumpRequest) -> Dump:
@@ -252,40 +267,33 @@ class Pipeline:
                 dump.gpu = await self.gpu.before_dump(target.container_id, target.spec, target.runc)
             if dump.gpu is None:
                 del dump.clock.phases["gpu"]  # no GPU: no phase (its instant goes to other)
-            criu_config.write(target.bundle, criu_config.dump_options(self.config))
+            tracking = await self.tracking.available(target.runc)
+            if tracking:
+                dump.tracked = (target.container_id, target.pid)
+                parent = self.tracking.take_parent(target.container_id, target.pid)
+            else:
+                parent = None
+            criu_config.write(
+                target.bundle, criu_config.dump_options(self.config, track_mem=tracking)
+            )
             if request.freeze:
                 with dump.clock.phase("freeze"):
                     await target.runc.pause(target.container_id)
                 dump.frozen = True
-            # The page images' fsync and CRC run beside the dump, not after it.
-            early_seal = ingest.seal_early(criu_dir)
-            try:
-                with dump.clock.phase("dump"), priority.foreground():
-                    await target.runc.checkpoint(
-                        target.container_id,
-                        CheckpointOpts(
-                            image_path=criu_dir,
-                            work_path=work_dir,
-                            leave_running=True,  # CRIU leaves a frozen container frozen
-                            tcp_established=self.config.tcp_established,
-                            ext_unix_sk=True,
-                            file_locks=self.config.file_locks,
-                            shell_job=target.terminal,
-                        ),
-                    )
-            finally:
-                await asyncio.shield(asyncio.to_thread(early_seal.stop))
+            found = await self._criu_dump(target, dump, criu_dir, work_dir, parent)
             dumped = time.monotonic()
+            with dump.clock.phase("rootfs"):
+                await asyncio.to_thread(self._capture_files, target, ingest)
+            if not request.keep_frozen:
+                await self.thaw(target, dump)
+            if found is not None:
+                await self._flatten(target, dump, criu_dir, work_dir, found)
             dump.criu = dump_stats(work_dir)
             dump.tcp_streams = _count_tcp_streams(criu_dir)
             ingest.set_metadata(**await context)
             cpuinfo = cpu_fit.record(criu_dir)
             if cpuinfo:  # another node checks its CPU against it before a pull
                 ingest.set_metadata(**{cpu_fit.METADATA_KEY: cpuinfo})
-            with dump.clock.phase("rootfs"):
-                await asyncio.to_thread(self._capture_files, target, ingest)
-            if not request.keep_frozen:
-                await self.thaw(target, dump)
             if dump.gpu is not None:
                 ingest.set_metadata(gpu=dump.gpu.metadata)
             if request.mirror_to:
@@ -325,6 +333,117 @@ class Pipeline:
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
 
+    async def _criu_dump(
+        self, target: Target, dump: Dump, criu_dir: str, work_dir: str, parent: str | None
+    ) -> _Parent | None:
+        """``runc checkpoint`` into ``criu_dir``. With ``parent`` (a checkpoint id, dirty
+        tracking) only the pages written since that checkpoint are dumped; the caller
+        then copies the rest in (:meth:`_flatten`). A dump against the parent that
+        fails is done again in full."""
+        found = self._parent_images(parent, criu_dir) if parent else None
+        if found is None:
+            await self._run_criu(target, dump, criu_dir, work_dir, None)
+            return None
+        try:
+            await self._run_criu(target, dump, criu_dir, work_dir, found.relative)
+        except (ShimError, OSError) as err:
+            await _settle(found.checked)
+            await self._dump_in_full(target, dump, criu_dir, work_dir, found, err)
+            return None
+        return found
+
+    async def _flatten(
+        self, target: Target, dump: Dump, criu_dir: str, work_dir: str, found: _Parent
+    ) -> None:
+        """Copy the parent's pages into a dump against it (pagemap.flatten): every
+        stored checkpoint stands alone. Runs after the thaw: the freeze is the dump of
+        what changed. When it fails, a container still frozen (a stop) is dumped again
+        in full; otherwise this checkpoint fails and the next one is full."""
+        try:
+            await found.checked
+            with dump.clock.phase("flatten"):
+                flat = await asyncio.to_thread(pagemap.flatten, criu_dir)
+        except (ShimError, OSError) as err:
+            if not dump.frozen:
+                raise DataLoss(
+                    f"checkpoint of container {target.container_id}: its pages written "
+                    f"since checkpoint {found.id} were dumped, but the rest could not be "
+                    f"copied in from that checkpoint ({err}); the next checkpoint is a "
+                    "full one"
+                ) from err
+            await self._dump_in_full(target, dump, criu_dir, work_dir, found, err)
+            return
+        log.info(
+            "dumped the pages written since the parent checkpoint",
+            extra={
+                "container": target.container_id,
+                "parent": found.id,
+                "flatten": asdict(flat) if flat else None,
+            },
+        )
+
+    async def _dump_in_full(
+        self,
+        target: Target,
+        dump: Dump,
+        criu_dir: str,
+        work_dir: str,
+        found: _Parent,
+        err: BaseException,
+    ) -> None:
+        log.warning(
+            "dump against the parent checkpoint failed, dumping in full",
+            extra={"container": target.container_id, "parent": found.id, "error": str(err)},
+        )
+        await asyncio.to_thread(_empty_dir, criu_dir)
+        await self._run_criu(target, dump, criu_dir, work_dir, None)
+
+    def _parent_images(self, parent: str, criu_dir: str) -> _Parent | None:
+        """Checkpoint ``parent``'s raw CRIU images, their CRC-32 check started now to
+        run beside the dump; None when they are gone."""
+        try:
+            entry = self.store.get(parent)
+            images = self.store.raw_images(entry, CRIU_LAYER)
+        except ShimError:
+            return None
+        if images is None:
+            return None
+
+        def check() -> None:
+            try:
+                self.store.verify_raw(entry, CRIU_LAYER)
+            except DataLoss:
+                self.store.discard_raw(entry)
+                raise
+
+        checked = asyncio.ensure_future(asyncio.to_thread(check))
+        checked.add_done_callback(lambda f: f.cancelled() or f.exception())  # a cancelled dump
+        # Relative: CRIU links it as the images dir's `parent`.
+        return _Parent(parent, os.path.relpath(images, criu_dir), checked)
+
+    async def _run_criu(
+        self, target: Target, dump: Dump, criu_dir: str, work_dir: str, parent: str | None
+    ) -> None:
+        # The page images' fsync and CRC run beside the dump, not after it.
+        early_seal = dump.ingest.seal_early(criu_dir)
+        try:
+            with dump.clock.phase("dump"), priority.foreground():
+                await target.runc.checkpoint(
+                    target.container_id,
+                    CheckpointOpts(
+                        image_path=criu_dir,
+                        work_path=work_dir,
+                        parent_path=parent,
+                        leave_running=True,  # CRIU leaves a frozen container frozen
+                        tcp_established=self.config.tcp_established,
+                        ext_unix_sk=True,
+                        file_locks=self.config.file_locks,
+                        shell_job=target.terminal,
+                    ),
+                )
+        finally:
+            await asyncio.shield(asyncio.to_thread(early_seal.stop))
+
     async def thaw(self, target: Target, dump: Dump) -> None:
         """Undo a dump's freeze: the cgroup first, then the GPU (CUDA needs the
         process running to take its state back). Idempotent."""
@@ -363,7 +482,10 @@ class Pipeline:
         """Make the dump durable and visible (raw, fsynced, checksummed)."""
         try:
             with priority.foreground():
-                return await asyncio.shield(asyncio.to_thread(self.store.publish, dump.ingest))
+                entry = await asyncio.shield(asyncio.to_thread(self.store.publish, dump.ingest))
+            if dump.tracked is not None:
+                self.tracking.remember(*dump.tracked, entry.id)
+            return entry
         except BaseException:
             with contextlib.suppress(Exception):
                 await asyncio.shield(asyncio.to_thread(self.store.abort, dump.ingest))
@@ -414,7 +536,7 @@ class Pipeline:
         return {"versions": versions, "network": network}
 
 
-async def _settle(task: asyncio.Task[Any]) -> None:
+async def _settle(task: asyncio.Future[Any]) -> None:
     """Let a helper task finish (or fail) before its caller unwinds."""
     with contextlib.suppress(BaseException):
         await asyncio.shield(task)
@@ -429,6 +551,16 @@ def _store_full(root: str) -> str:
     if usage.free < max(STORE_FULL_BYTES, usage.total // 100):
         return f"{usage.free} bytes free of {usage.total}"
     return ""
+
+
+def _empty_dir(path: str) -> None:
+    """Remove what a failed CRIU run left in its images dir (symlinks not followed)."""
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
 
 
 def _mirror(src: str, dest: str) -> None:

@@ -78,9 +78,10 @@ CRIU_FEATURES = (
     (
         "mem_dirty_track",
         "dirtyTracking",
-        "the kernel tracks dirty pages (CONFIG_MEM_SOFT_DIRTY), which this shim does not "
-        "use yet: every dump freezes the container for all of its memory; periodic "
-        "checkpoints store and upload only the chunks that changed",
+        "the kernel tracks dirty pages (CONFIG_MEM_SOFT_DIRTY): with dirty_tracking = "
+        "auto a container's next dump freezes it only for the pages it wrote since its "
+        "last checkpoint; periodic checkpoints store and upload only the chunks that "
+        "changed",
         "no dirty-page tracking in this kernel (CONFIG_MEM_SOFT_DIRTY): every dump "
         "freezes the container for all of its memory; periodic checkpoints still store "
         "and upload only the chunks that changed",

@@ -30,7 +30,9 @@ unchanged. Per-container state lives in ``<--root>/<id>/state``:
 
 Failure injection: the control file next to the executable maps a verb to
 ``{"error": msg, "sleep": s, "bad_images": bool}`` (``bad_images`` for
-checkpoint; :meth:`FakeRunc.control` writes it). Errors go to ``--log`` as
+checkpoint, and ``error_with_parent``: fail only a dump given ``--parent-path``,
+which otherwise is checked and linked as ``parent`` as CRIU does;
+:meth:`FakeRunc.control` writes it). Errors go to ``--log`` as
 runc's json lines (level error), exit status 1. Every call's argv is recorded
 (:meth:`FakeRunc.calls`).
 
@@ -588,6 +590,13 @@ def checkpoint(call: Call) -> int:
     except FileNotFoundError:
         pages = b""
     os.makedirs(image, exist_ok=True)
+    parent = call.flags.get("--parent-path")
+    if parent:  # as runc and CRIU check it, then CRIU's link to it
+        if os.path.isabs(parent) or not os.path.isdir(os.path.join(image, parent)):
+            raise Fail(f"invalid --parent-path: {parent}")
+        if control.get("error_with_parent"):
+            raise _criu_failed(call, work, "dump.log", "NOTIFY", str(control["error_with_parent"]))
+        os.symlink(parent, os.path.join(image, "parent"))
     inventory = {"id": call.id, "pid": current["pid"], "taken": time.time()}
     with open(os.path.join(image, INVENTORY_IMAGE), "wb") as f:
         marshal.dump(inventory, f)

@@ -1,0 +1,635 @@
+"""CRIU's pagemap images, and flattening a dirty-tracked dump into a self-contained one.
+
+A dump CRIU takes with ``--track-mem`` against a previous one (``--prev-images-dir``;
+runc ``--parent-path``) writes only the pages written since: its pagemap images
+mark the runs of pages it did not write with ``PE_PARENT``, and those pages stay in
+the previous dump, which CRIU finds through the ``parent`` symlink it leaves in the
+images dir (that dump may have a parent of its own). The shim stores every
+checkpoint self-contained (a checkpoint must restore, upload and be deleted on its
+own), so after such a dump :func:`flatten` copies the pages the chain holds into
+this dump and removes the link.
+
+The format (CRIU 4.2: images/pagemap.proto, criu/pagemap.c, criu/page-xfer.c):
+``pagemap-<pid>.img`` / ``pagemap-shmem-<id>.img`` is IMG_COMMON_MAGIC and
+PAGEMAP_MAGIC (u32 LE each), then length-prefixed (u32 LE) protobuf messages: a
+PagemapHead naming ``pages-<pages_id>.img``, then one PagemapEntry per run of
+pages in ascending address order. The pages image is raw: the pages of the
+``PE_PRESENT`` runs, in pagemap order. Entries are read the way CRIU reads them
+(``in_parent`` of old images is ``PE_PARENT``, no flags at all is ``PE_PRESENT``,
+``compat_nr_pages`` counts where ``nr_pages`` is absent) and written the way CRIU
+4.2 writes them (flags and nr_pages set, the required compat_nr_pages 0).
+
+Flattening keeps every entry as it is (no merging of adjacent runs: CRIU writes
+adjacent runs itself and restores them alike) and only turns ``PE_PARENT`` into
+``PE_PRESENT``, other bits (``PE_LAZY``) kept. Everything is read, checked and
+copied into temp files in the images dir before anything there is replaced, so a
+malformed chain or a page the chain lacks raises :class:`~cedana_shim.errors.DataLoss`
+with the images dir as it was. The renames that follow replace each pages image
+and then its pagemap with new inodes; nothing is fsynced here (the caller's
+publish fsyncs and checksums every file), and a dump whose flatten raised is not
+to be published. Bulk bytes move with ``copy_file_range`` (in the kernel, or a
+reflink), read/write where a file system or kernel does not support it.
+
+Only the stdlib at import; the generated protobuf module is imported on first use.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import errno
+import mmap
+import os
+import re
+import secrets
+import stat
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Final
+
+from ..errors import DataLoss
+
+__all__ = [
+    "IMG_COMMON_MAGIC",
+    "MAX_ENTRIES",
+    "MAX_ENTRY_BYTES",
+    "MAX_PARENT_DEPTH",
+    "PAGEMAP_MAGIC",
+    "PAGE_SIZE",
+    "PARENT_LINK",
+    "PE_LAZY",
+    "PE_PARENT",
+    "PE_PRESENT",
+    "FlattenStats",
+    "Pagemap",
+    "PagemapEntry",
+    "decode",
+    "encode",
+    "flatten",
+    "is_pagemap_name",
+    "pages_name",
+    "read_pagemap",
+    "write_pagemap",
+]
+
+PAGE_SIZE: Final = mmap.PAGESIZE
+IMG_COMMON_MAGIC: Final = 0x54564319
+PAGEMAP_MAGIC: Final = 0x56084025  # SHMEM_PAGEMAP_MAGIC is the same
+PE_PARENT: Final = 1 << 0  # the pages are in the parent dump
+PE_LAZY: Final = 1 << 1  # the pages may be restored lazily
+PE_PRESENT: Final = 1 << 2  # the pages are in this dump's pages image
+PARENT_LINK: Final = "parent"  # CR_PARENT_LINK
+
+# An entry is at most ~36 bytes (five fields, two of them 64-bit varints).
+MAX_ENTRY_BYTES: Final = 1024
+# Runs of pages in one image: a process with millions of mappings is far off this.
+MAX_ENTRIES: Final = 1 << 22
+MAX_IMAGE_BYTES: Final = 256 << 20
+# Parents above a dump: deeper chains are refused, and so is a link loop.
+MAX_PARENT_DEPTH: Final = 8
+
+_MAGICS: Final = struct.Struct("<II")
+_LENGTH: Final = struct.Struct("<I")
+_ADDRESS_LIMIT: Final = 1 << 64
+_UINT32_LIMIT: Final = 1 << 32
+_PAGEMAP_NAME: Final = re.compile(r"pagemap-(?:shmem-)?[0-9]+\.img")
+_COPY_CHUNK: Final = 8 << 20
+# copy_file_range refuses these where the kernel or a file system cannot copy: a
+# copy between file systems (EXDEV), an old kernel (ENOSYS), a file system without
+# it (EOPNOTSUPP, EINVAL), a seccomp filter (EPERM).
+_NO_IN_KERNEL_COPY: Final = frozenset(
+    {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PagemapEntry:
+    """One run of ``nr_pages`` pages from ``vaddr`` (an offset in the segment, for a
+    shmem pagemap), with its ``PE_*`` flags."""
+
+    vaddr: int
+    nr_pages: int
+    flags: int
+
+    @property
+    def end(self) -> int:
+        return self.vaddr + self.nr_pages * PAGE_SIZE
+
+    @property
+    def in_parent(self) -> bool:
+        return bool(self.flags & PE_PARENT)
+
+    @property
+    def present(self) -> bool:
+        return bool(self.flags & PE_PRESENT)
+
+
+@dataclass(frozen=True, slots=True)
+class Pagemap:
+    """A pagemap image: the id of its pages image and its runs, in address order."""
+
+    pages_id: int
+    entries: tuple[PagemapEntry, ...]
+
+    @property
+    def present_pages(self) -> int:
+        """Pages in the pages image (the sum over ``PE_PRESENT`` runs)."""
+        return sum(e.nr_pages for e in self.entries if e.flags & PE_PRESENT)
+
+    @property
+    def parent_pages(self) -> int:
+        return sum(e.nr_pages for e in self.entries if e.flags & PE_PARENT)
+
+
+@dataclass(frozen=True, slots=True)
+class FlattenStats:
+    """What :func:`flatten` did. ``files_rewritten`` counts pagemap and pages images
+    replaced (two per pagemap that had runs in the parent); ``pages_from_parents``
+    are the pages copied in from the chain, ``pages_own`` those of this dump copied
+    along into the rewritten pages images; ``bytes_written`` covers both images."""
+
+    files_rewritten: int
+    pages_from_parents: int
+    pages_own: int
+    bytes_written: int
+    seconds: float
+
+
+def is_pagemap_name(name: str) -> bool:
+    """``pagemap-<pid>.img`` or ``pagemap-shmem-<id>.img``."""
+    return _PAGEMAP_NAME.fullmatch(name) is not None
+
+
+def pages_name(pages_id: int) -> str:
+    return f"pages-{pages_id}.img"
+
+
+def _check_entry(entry: PagemapEntry, name: str, index: int, prev_end: int) -> None:
+    where = f"{name}: entry {index} ({entry.vaddr:#x}, {entry.nr_pages} pages)"
+    if entry.vaddr % PAGE_SIZE:
+        raise DataLoss(f"{where}: address not page-aligned")
+    if entry.nr_pages <= 0:
+        raise DataLoss(f"{where}: no pages")
+    if entry.end > _ADDRESS_LIMIT:
+        raise DataLoss(f"{where}: run overflows the 64-bit address space")
+    if entry.vaddr < prev_end:
+        raise DataLoss(f"{where}: overlaps or precedes the run before it (ends {prev_end:#x})")
+    if entry.flags & PE_PARENT and entry.flags & PE_PRESENT:
+        raise DataLoss(f"{where}: both in the parent and present")
+    if not 0 <= entry.flags < _UINT32_LIMIT:
+        raise DataLoss(f"{where}: flags {entry.flags:#x} out of range")
+
+
+def _records(data: bytes, name: str) -> Iterator[tuple[int, bytes]]:
+    """(offset, message bytes) of each length-prefixed record after the magics."""
+    pos = _MAGICS.size
+    while pos < len(data):
+        if len(data) - pos < _LENGTH.size:
+            raise DataLoss(f"{name}: truncated length at offset {pos}")
+        (length,) = _LENGTH.unpack_from(data, pos)
+        if length > MAX_ENTRY_BYTES:
+            raise DataLoss(f"{name}: entry at offset {pos} claims {length} bytes")
+        start = pos + _LENGTH.size
+        if start + length > len(data):
+            raise DataLoss(
+                f"{name}: truncated entry at offset {pos} "
+                f"({length} bytes claimed, {len(data) - start} left)"
+            )
+        yield pos, data[start : start + length]
+        pos = start + length
+
+
+def decode(data: bytes, name: str = "pagemap") -> Pagemap:
+    """The pagemap in ``data`` (a whole image), validated; :class:`DataLoss` naming
+    ``name`` and what is wrong otherwise."""
+    from google.protobuf.message import DecodeError
+
+    from ..api.criu import pagemap_pb2
+
+    if len(data) > MAX_IMAGE_BYTES:
+        raise DataLoss(f"{name}: {len(data)} bytes, over the {MAX_IMAGE_BYTES} a pagemap may be")
+    if len(data) < _MAGICS.size:
+        raise DataLoss(f"{name}: {len(data)} bytes, shorter than the image magics")
+    common, magic = _MAGICS.unpack_from(data)
+    if common != IMG_COMMON_MAGIC or magic != PAGEMAP_MAGIC:
+        raise DataLoss(f"{name}: magic {common:#x} {magic:#x} is not a pagemap image's")
+    records = _records(data, name)
+    head = pagemap_pb2.PagemapHead()
+    try:
+        offset, body = next(records)
+        head.ParseFromString(body)
+    except StopIteration:
+        raise DataLoss(f"{name}: no pagemap head") from None
+    except DecodeError as err:
+        raise DataLoss(f"{name}: head at offset {offset} is corrupt: {err}") from err
+    if not head.IsInitialized():
+        raise DataLoss(f"{name}: head at offset {offset} lacks pages_id")
+    entries: list[PagemapEntry] = []
+    prev_end = 0
+    pe = pagemap_pb2.PagemapEntry()
+    for offset, body in records:
+        if len(entries) >= MAX_ENTRIES:
+            raise DataLoss(f"{name}: more than {MAX_ENTRIES} entries")
+        try:
+            pe.ParseFromString(body)
+        except DecodeError as err:
+            raise DataLoss(f"{name}: entry at offset {offset} is corrupt: {err}") from err
+        if not pe.IsInitialized():
+            raise DataLoss(f"{name}: entry at offset {offset} lacks a required field")
+        # As CRIU's init_compat_pagemap_entry reads it.
+        flags = pe.flags if pe.HasField("flags") else 0
+        if pe.HasField("in_parent") and pe.in_parent:
+            flags |= PE_PARENT
+        elif not pe.HasField("flags"):
+            flags = PE_PRESENT
+        nr_pages = pe.nr_pages if pe.HasField("nr_pages") else pe.compat_nr_pages
+        entry = PagemapEntry(pe.vaddr, nr_pages, flags)
+        _check_entry(entry, name, len(entries), prev_end)
+        entries.append(entry)
+        prev_end = entry.end
+    return Pagemap(head.pages_id, tuple(entries))
+
+
+def encode(pagemap: Pagemap, name: str = "pagemap") -> bytes:
+    """The image of ``pagemap``, entries as CRIU 4.2 writes them (write_pagemap_loc:
+    flags and nr_pages, compat_nr_pages 0); :class:`DataLoss` for a pagemap that
+    :func:`decode` would refuse."""
+    from ..api.criu import pagemap_pb2
+
+    if not 0 <= pagemap.pages_id < _UINT32_LIMIT:
+        raise DataLoss(f"{name}: pages_id {pagemap.pages_id} out of range")
+    if len(pagemap.entries) > MAX_ENTRIES:
+        raise DataLoss(f"{name}: more than {MAX_ENTRIES} entries")
+    parts = [_MAGICS.pack(IMG_COMMON_MAGIC, PAGEMAP_MAGIC)]
+    body = pagemap_pb2.PagemapHead(pages_id=pagemap.pages_id).SerializeToString()
+    parts += (_LENGTH.pack(len(body)), body)
+    prev_end = 0
+    for index, entry in enumerate(pagemap.entries):
+        _check_entry(entry, name, index, prev_end)
+        prev_end = entry.end
+        body = pagemap_pb2.PagemapEntry(
+            vaddr=entry.vaddr, compat_nr_pages=0, flags=entry.flags, nr_pages=entry.nr_pages
+        ).SerializeToString()
+        parts += (_LENGTH.pack(len(body)), body)
+    data = b"".join(parts)
+    if len(data) > MAX_IMAGE_BYTES:
+        raise DataLoss(f"{name}: {len(data)} bytes, over the {MAX_IMAGE_BYTES} a pagemap may be")
+    return data
+
+
+def _open_image(name: str, dir_fd: int | None, label: str) -> int:
+    """A read-only fd of the regular file ``name``, never through a symlink."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise DataLoss(f"{label}: cannot open: {err.strerror}") from err
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DataLoss(f"{label}: not a regular file")
+    return fd
+
+
+def _read_all(fd: int, label: str) -> bytes:
+    size = os.fstat(fd).st_size
+    if size > MAX_IMAGE_BYTES:
+        raise DataLoss(f"{label}: {size} bytes, over the {MAX_IMAGE_BYTES} a pagemap may be")
+    chunks: list[bytes] = []
+    left = MAX_IMAGE_BYTES + 1
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _read_at(name: str, dir_fd: int | None, label: str) -> Pagemap:
+    fd = _open_image(name, dir_fd, label)
+    try:
+        return decode(_read_all(fd, label), label)
+    finally:
+        os.close(fd)
+
+
+def read_pagemap(path: str) -> Pagemap:
+    """The pagemap image at ``path`` (not followed if a symlink), validated."""
+    try:
+        return _read_at(path, None, path)
+    except FileNotFoundError as err:
+        raise DataLoss(f"{path}: no such pagemap image") from err
+
+
+def _write_new(name: str, dir_fd: int | None, data: bytes, mode: int) -> None:
+    fd = os.open(
+        name,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        mode,
+        dir_fd=dir_fd,
+    )
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def write_pagemap(path: str, pagemap: Pagemap) -> None:
+    """Write ``pagemap`` to ``path``, a file that must not exist yet (mode 0644 less
+    the umask, CRIU's CR_FD_PERM)."""
+    _write_new(path, None, encode(pagemap, path), 0o644)
+
+
+# --- flattening ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Image:
+    """A pagemap of one dump of the chain, with its pages image open."""
+
+    label: str
+    pagemap: Pagemap
+    pages_fd: int
+    pages_label: str
+    starts: list[int]  # each entry's vaddr, for bisect
+    offsets: list[int]  # each entry's offset in the pages image
+
+
+class _Dump:
+    """One images dir of the chain: depth 0 is the dump being flattened, each
+    parent opened (once) when a run needs it."""
+
+    def __init__(self, dir_fd: int, label: str, depth: int) -> None:
+        self.dir_fd = dir_fd
+        self.label = label
+        self.depth = depth
+        self.parent: _Dump | None = None
+
+    def open_parent(self, needed_by: str) -> _Dump:
+        if self.parent is not None:
+            return self.parent
+        label = os.path.join(self.label, PARENT_LINK)
+        if self.depth >= MAX_PARENT_DEPTH:
+            raise DataLoss(
+                f"{needed_by}: the parent chain goes deeper than {MAX_PARENT_DEPTH} dumps "
+                f"(or loops): {label}"
+            )
+        try:
+            # As CRIU's open_parent: the link as the kernel resolves it from this dir.
+            fd = os.open(
+                PARENT_LINK, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.dir_fd
+            )
+        except OSError as err:
+            raise DataLoss(f"{needed_by}: has pages in {label}: {err.strerror}") from err
+        self.parent = _Dump(fd, label, self.depth + 1)
+        return self.parent
+
+    def close_parents(self) -> None:
+        parent, self.parent = self.parent, None
+        while parent is not None:
+            os.close(parent.dir_fd)
+            parent = parent.parent
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What goes, in order, into a new pages image: (fd, offset, length, label) ranges,
+    adjacent ones of one file joined."""
+
+    segments: list[tuple[int, int, int, str]] = field(default_factory=list)
+    own: int = 0
+    from_parents: int = 0
+
+    def add(self, fd: int, offset: int, length: int, label: str) -> None:
+        if self.segments:
+            last_fd, last_offset, last_length, last_label = self.segments[-1]
+            if last_fd == fd and last_offset + last_length == offset:
+                self.segments[-1] = (fd, last_offset, last_length + length, last_label)
+                return
+        self.segments.append((fd, offset, length, label))
+
+
+class _Chain:
+    """One pagemap name down the chain of dumps: its image in each dump, open while
+    its new pages image is planned and copied."""
+
+    def __init__(self, top: _Dump, name: str, pagemap: Pagemap) -> None:
+        self.top = top
+        self.name = name
+        self.child = os.path.join(top.label, name)
+        self.images: dict[int, _Image] = {}
+        self.images[0] = self._open(top, pagemap)
+
+    def close(self) -> None:
+        for image in self.images.values():
+            os.close(image.pages_fd)
+        self.images.clear()
+
+    def _open(self, dump: _Dump, pagemap: Pagemap) -> _Image:
+        label = os.path.join(dump.label, self.name)
+        pages_label = os.path.join(dump.label, pages_name(pagemap.pages_id))
+        try:
+            pages_fd = _open_image(pages_name(pagemap.pages_id), dump.dir_fd, pages_label)
+        except FileNotFoundError:
+            raise DataLoss(f"{label}: its pages image {pages_label} is missing") from None
+        starts: list[int] = []
+        offsets: list[int] = []
+        offset = 0
+        for entry in pagemap.entries:
+            starts.append(entry.vaddr)
+            offsets.append(offset)
+            if entry.flags & PE_PRESENT:
+                offset += entry.nr_pages * PAGE_SIZE
+        size = os.fstat(pages_fd).st_size
+        if size < offset:
+            os.close(pages_fd)
+            raise DataLoss(f"{pages_label}: truncated: {size} bytes where {label} needs {offset}")
+        return _Image(label, pagemap, pages_fd, pages_label, starts, offsets)
+
+    def image(self, dump: _Dump) -> _Image:
+        if dump.depth not in self.images:
+            label = os.path.join(dump.label, self.name)
+            try:
+                pagemap = _read_at(self.name, dump.dir_fd, label)
+            except FileNotFoundError:
+                raise DataLoss(
+                    f"{self.child}: has pages in the parent, and there is no {label}"
+                ) from None
+            self.images[dump.depth] = self._open(dump, pagemap)
+        return self.images[dump.depth]
+
+    def resolve(self, dump: _Dump, vaddr: int, nr_pages: int, plan: _Plan) -> None:
+        """Add to ``plan`` where ``dump`` (a parent) holds ``nr_pages`` from ``vaddr``;
+        as CRIU's read_parent_page, a run may span several of the parent's runs, each
+        present there or in the parent's parent."""
+        image = self.image(dump)
+        entries = image.pagemap.entries
+        addr, end = vaddr, vaddr + nr_pages * PAGE_SIZE
+        i = bisect.bisect_right(image.starts, addr) - 1
+        if i < 0 or entries[i].end <= addr:
+            i += 1
+        while addr < end:
+            if i >= len(entries) or entries[i].vaddr > addr:
+                raise DataLoss(f"{self.child}: page {addr:#x} is in no run of {image.label}")
+            entry = entries[i]
+            stop = min(end, entry.end)
+            count = (stop - addr) // PAGE_SIZE
+            if entry.flags & PE_PARENT:
+                self.resolve(dump.open_parent(image.label), addr, count, plan)
+            elif entry.flags & PE_PRESENT:
+                offset = image.offsets[i] + (addr - entry.vaddr)
+                plan.add(image.pages_fd, offset, count * PAGE_SIZE, image.pages_label)
+            else:
+                raise DataLoss(
+                    f"{self.child}: page {addr:#x} is not in the pages of {image.label} "
+                    f"(flags {entry.flags:#x})"
+                )
+            addr = stop
+            i += 1
+
+    def plan(self) -> tuple[_Plan, Pagemap]:
+        """The new pages image's plan, and the new pagemap: parent runs made present."""
+        image = self.images[0]
+        plan = _Plan()
+        entries: list[PagemapEntry] = []
+        for i, entry in enumerate(image.pagemap.entries):
+            if entry.flags & PE_PARENT:
+                self.resolve(self.top.open_parent(self.child), entry.vaddr, entry.nr_pages, plan)
+                plan.from_parents += entry.nr_pages
+                entry = replace(entry, flags=(entry.flags & ~PE_PARENT) | PE_PRESENT)
+            elif entry.flags & PE_PRESENT:
+                plan.add(
+                    image.pages_fd, image.offsets[i], entry.nr_pages * PAGE_SIZE, image.pages_label
+                )
+                plan.own += entry.nr_pages
+            entries.append(entry)
+        return plan, Pagemap(image.pagemap.pages_id, tuple(entries))
+
+
+class _Copier:
+    """copy_file_range until the kernel says it cannot here, then read/write."""
+
+    def __init__(self) -> None:
+        self.in_kernel = True
+
+    def copy(self, src: int, dst: int, offset: int, length: int, label: str) -> None:
+        while length > 0:
+            want = min(length, _COPY_CHUNK)
+            if self.in_kernel:
+                try:
+                    n = os.copy_file_range(src, dst, want, offset)
+                except OSError as err:
+                    if err.errno not in _NO_IN_KERNEL_COPY:
+                        raise
+                    self.in_kernel = False
+                    continue
+            else:
+                chunk = os.pread(src, want, offset)
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(dst, view) :]
+                n = len(chunk)
+            if n == 0:
+                raise DataLoss(f"{label}: ends at {offset} while its pages were being copied")
+            offset += n
+            length -= n
+
+
+def _scan(dir_fd: int, label: str) -> dict[str, Pagemap]:
+    """Every pagemap image of the dump, by name, checked not to share a pages image."""
+    pagemaps: dict[str, Pagemap] = {}
+    owners: dict[int, str] = {}
+    for name in sorted(n for n in os.listdir(dir_fd) if is_pagemap_name(n)):
+        path = os.path.join(label, name)
+        try:
+            pagemap = _read_at(name, dir_fd, path)
+        except FileNotFoundError:
+            continue
+        if pagemap.pages_id in owners:
+            raise DataLoss(
+                f"{path}: shares {pages_name(pagemap.pages_id)} with {owners[pagemap.pages_id]}"
+            )
+        owners[pagemap.pages_id] = name
+        pagemaps[name] = pagemap
+    return pagemaps
+
+
+def _temp_name(name: str) -> str:
+    return f".{name}.flatten-{secrets.token_hex(4)}"
+
+
+def flatten(images_dir: str) -> FlattenStats | None:
+    """Make the dump in ``images_dir`` self-contained: copy every page its pagemaps
+    leave to the parent chain into its own pages images and remove its ``parent``
+    link. None, with nothing touched, where there is no link; :class:`DataLoss`,
+    with nothing touched, where the chain does not hold what the dump needs."""
+    link = os.path.join(images_dir, PARENT_LINK)
+    try:
+        if not stat.S_ISLNK(os.lstat(link).st_mode):
+            raise DataLoss(f"{link}: not a symlink (CRIU links the parent images dir)")
+    except FileNotFoundError:
+        return None
+    started = time.monotonic()
+    dir_fd = os.open(images_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    top = _Dump(dir_fd, images_dir, 0)
+    temps: list[str] = []
+    try:
+        copier = _Copier()
+        renames: list[tuple[str, str]] = []
+        own = from_parents = written = 0
+        for name, pagemap in _scan(dir_fd, images_dir).items():
+            if not pagemap.parent_pages:
+                continue
+            chain = _Chain(top, name, pagemap)
+            try:
+                plan, flat = chain.plan()
+                pages = pages_name(flat.pages_id)
+                pages_temp = _temp_name(pages)
+                mode = stat.S_IMODE(os.fstat(chain.images[0].pages_fd).st_mode)
+                fd = os.open(
+                    pages_temp,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    mode,
+                    dir_fd=dir_fd,
+                )
+                temps.append(pages_temp)
+                try:
+                    for src, offset, length, label in plan.segments:
+                        copier.copy(src, fd, offset, length, label)
+                        written += length
+                finally:
+                    os.close(fd)
+            finally:
+                chain.close()
+            data = encode(flat, chain.child)
+            map_temp = _temp_name(name)
+            map_mode = stat.S_IMODE(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+            temps.append(map_temp)
+            _write_new(map_temp, dir_fd, data, map_mode)
+            written += len(data)
+            own += plan.own
+            from_parents += plan.from_parents
+            # The pages image first, its pagemap (which names it) last.
+            renames += [(pages_temp, pages), (map_temp, name)]
+        for temp, final in renames:
+            os.rename(temp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            temps.remove(temp)
+        os.unlink(PARENT_LINK, dir_fd=dir_fd)
+        return FlattenStats(
+            files_rewritten=len(renames),
+            pages_from_parents=from_parents,
+            pages_own=own,
+            bytes_written=written,
+            seconds=round(time.monotonic() - started, 6),
+        )
+    finally:
+        for temp in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp, dir_fd=dir_fd)
+        top.close_parents()
+        os.close(dir_fd)

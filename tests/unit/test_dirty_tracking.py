@@ -1,0 +1,144 @@
+"""Dirty-page tracking (checkpoint/dirty_tracking.py) on the fake runc: which dump names
+which checkpoint as its parent, and what a failure on that path does. The kernel here
+has no soft-dirty tracking, so these tests say the kernel has it; the flattening of a
+real CRIU parent chain is tests/privileged/test_pagemap_flatten_real.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from cedana_shim.checkpoint.criu_config import config_path
+from cedana_shim.checkpoint.dirty_tracking import DirtyTracking
+from cedana_shim.checkpoint.layers import CRIU_LAYER
+from cedana_shim.errors import ShimError
+from cedana_shim.runtime.runc import Runc
+from task_support import SLEEP, TaskEnv, TaskWorld
+
+
+def _tracking(env: TaskEnv) -> None:
+    env.pipeline.tracking = DirtyTracking("auto", available=True)
+
+
+def _parent_of_dump(env: TaskEnv, n: int) -> str | None:
+    """The raw images dir the ``n``th checkpoint call named as parent, resolved."""
+    argv = env.fake.calls("checkpoint")[n]
+    if "--parent-path" not in argv:
+        return None
+    relative = argv[argv.index("--parent-path") + 1]
+    image = argv[argv.index("--image-path") + 1]
+    return os.path.realpath(os.path.join(image, relative))
+
+
+def _raw_dir(env: TaskEnv, checkpoint_id: str) -> str:
+    """Where the store keeps the checkpoint's raw CRIU images (raw, or as the label's
+    cache once compacted; a background compaction may already have dropped an older
+    checkpoint's cache)."""
+    return os.path.realpath(os.path.join(env.store.root, "raw", checkpoint_id, CRIU_LAYER))
+
+
+def _criu_config(env: TaskEnv, container_id: str) -> list[str]:
+    bundle = env.container(container_id).bundle
+    return Path(config_path(bundle)).read_text().splitlines()
+
+
+def test_each_dump_names_the_previous_committed_one_as_its_parent(tmp_path: Path) -> None:
+    async def body(env: TaskEnv) -> None:
+        _tracking(env)
+        await env.run("c1", SLEEP, label="web")
+        first = (await env.cedana_checkpoint("c1", leave_running=True)).checkpoint_id
+        assert "track-mem" in _criu_config(env, "c1")  # the soft-dirty bits cleared
+        assert _parent_of_dump(env, 0) is None
+        second = (await env.cedana_checkpoint("c1", leave_running=True)).checkpoint_id
+        assert _parent_of_dump(env, 1) == _raw_dir(env, first)
+        # The stored checkpoint stands alone: CRIU's link to its parent is gone.
+        assert os.path.isdir(_raw_dir(env, second))
+        assert not os.path.lexists(os.path.join(_raw_dir(env, second), "parent"))
+        await env.kill("c1", signal.SIGTERM)  # the stop's dump too
+        assert (await env.wait("c1")).exit_status == 143
+        assert _parent_of_dump(env, 2) == _raw_dir(env, second)
+        assert len(env.checkpoints_of("web")) == 3
+
+    TaskWorld(tmp_path).run(body)
+
+
+def test_without_the_kernel_feature_every_dump_is_full(tmp_path: Path) -> None:
+    async def body(env: TaskEnv) -> None:
+        await env.run("c1", SLEEP, label="web")
+        await env.cedana_checkpoint("c1", leave_running=True)
+        await env.cedana_checkpoint("c1", leave_running=True)
+        assert [_parent_of_dump(env, n) for n in range(2)] == [None, None]
+        assert "track-mem" not in _criu_config(env, "c1")  # CRIU would refuse it
+        await env.kill("c1", signal.SIGKILL)
+        await env.wait("c1")
+
+    TaskWorld(tmp_path).run(body)
+
+
+def test_a_dump_against_the_parent_that_fails_is_done_again_in_full(tmp_path: Path) -> None:
+    async def body(env: TaskEnv) -> None:
+        _tracking(env)
+        await env.run("c1", SLEEP, label="web")
+        await env.cedana_checkpoint("c1", leave_running=True)
+        env.fake.control(checkpoint={"error_with_parent": "Hole not found in parent"})
+        second = (await env.cedana_checkpoint("c1", leave_running=True)).checkpoint_id
+        assert _parent_of_dump(env, 1) is not None
+        assert _parent_of_dump(env, 2) is None  # the same checkpoint, in full
+        assert env.checkpoints_of("web")[0] == second
+        assert os.path.isdir(_raw_dir(env, second))
+        assert not os.path.lexists(os.path.join(_raw_dir(env, second), "parent"))
+        await env.kill("c1", signal.SIGKILL)
+        await env.wait("c1")
+
+    TaskWorld(tmp_path).run(body)
+
+
+def test_a_failed_checkpoint_leaves_no_parent_for_the_next(tmp_path: Path) -> None:
+    async def body(env: TaskEnv) -> None:
+        _tracking(env)
+        await env.run("c1", SLEEP, label="web")
+        await env.cedana_checkpoint("c1", leave_running=True)
+        # This dump may have cleared the soft-dirty bits before it failed: what the
+        # bits say is no longer relative to the first checkpoint.
+        env.fake.control(checkpoint={"error": "no space for pages"})
+        with pytest.raises(ShimError):
+            await env.cedana_checkpoint("c1", leave_running=True)
+        env.fake.control()
+        await env.cedana_checkpoint("c1", leave_running=True)
+        assert _parent_of_dump(env, 2) is None
+        await env.kill("c1", signal.SIGKILL)
+        await env.wait("c1")
+
+    TaskWorld(tmp_path).run(body)
+
+
+def test_a_parent_whose_raw_images_are_gone_gives_a_full_dump(tmp_path: Path) -> None:
+    async def body(env: TaskEnv) -> None:
+        _tracking(env)
+        await env.run("c1", SLEEP, label="web")
+        first = (await env.cedana_checkpoint("c1", leave_running=True)).checkpoint_id
+        env.store.discard_raw(env.store.get(first))
+        await env.cedana_checkpoint("c1", leave_running=True)
+        assert _parent_of_dump(env, 1) is None
+        await env.kill("c1", signal.SIGKILL)
+        await env.wait("c1")
+
+    TaskWorld(tmp_path).run(body)
+
+
+def test_the_parent_belongs_to_the_same_processes() -> None:
+    tracking = DirtyTracking("auto", available=True)
+    tracking.remember("c1", 100, "ck1")
+    assert tracking.take_parent("c1", 101) is None  # another init: not what CRIU tracked
+    tracking.remember("c1", 100, "ck1")
+    assert tracking.take_parent("c2", 100) is None
+    assert tracking.take_parent("c1", 100) == "ck1"
+    assert tracking.take_parent("c1", 100) is None  # taken: until the dump is committed
+
+
+def test_off_never_asks_criu() -> None:
+    runc = Runc(reaper=None, root="/nonexistent")  # type: ignore[arg-type]
+    assert asyncio.run(DirtyTracking("off").available(runc)) is False
