@@ -39,7 +39,7 @@ from ..runtime.mount import Mount
 from ..runtime.reaper import Reaper
 from ..runtime.runc import CheckpointOpts, Runc
 from ..runtime.tcp_repair import tcp_summary
-from . import cpu_fit, criu_config, pagemap
+from . import cpu_fit, criu_config
 from .dirty_tracking import DirtyTracking
 from .gpu_steps import GpuDump, GpuSteps
 from .layers import (
@@ -359,6 +359,8 @@ class Pipeline:
         stored checkpoint stands alone. Runs after the thaw: the freeze is the dump of
         what changed. When it fails, a container still frozen (a stop) is dumped again
         in full; otherwise this checkpoint fails and the next one is full."""
+        from . import pagemap  # only on nodes that track dirty pages
+
         try:
             await found.checked
             with dump.clock.phase("flatten"):
