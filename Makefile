@@ -87,3 +87,4 @@ bench:
 	$(BIN)/python bench/across_nodes.py $(BENCH_ARGS) --out bench/results/across_nodes.json
 	$(BIN)/python bench/slurm_launch.py --out bench/results/slurm_launch.json
 	$(BIN)/python bench/restore_scaling.py $(BENCH_ARGS) --out bench/results/restore_scaling.json
+	$(BIN)/python bench/flatten.py --out bench/results/flatten.json
