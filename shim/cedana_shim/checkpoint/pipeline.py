@@ -406,9 +406,15 @@ class Pipeline:
         try:
             entry = self.store.get(parent)
             images = self.store.raw_images(entry, CRIU_LAYER)
-        except ShimError:
-            return None
+        except ShimError as err:
+            images, why = None, str(err)
+        else:
+            why = "its raw images are gone"
         if images is None:
+            log.info(
+                "dumping in full: the parent checkpoint cannot be used",
+                extra={"parent": parent, "why": why},
+            )
             return None
 
         def check() -> None:
