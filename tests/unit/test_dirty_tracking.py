@@ -49,6 +49,21 @@ async def _compacted(env: TaskEnv, checkpoint_id: str) -> str:
     return checkpoint_id
 
 
+async def _tracked_with_a_checkpoint(env: TaskEnv) -> str:
+    """Container c1 (label web) on a kernel said to track dirty pages, with one
+    committed and compacted checkpoint; its id."""
+    _tracking(env)
+    await env.run("c1", SLEEP, label="web")
+    return await _compacted(
+        env, (await env.cedana_checkpoint("c1", leave_running=True)).checkpoint_id
+    )
+
+
+async def _kill(env: TaskEnv) -> None:
+    await env.kill("c1", signal.SIGKILL)
+    await env.wait("c1")
+
+
 def _criu_config(env: TaskEnv, container_id: str) -> list[str]:
     bundle = env.container(container_id).bundle
     return Path(config_path(bundle)).read_text().splitlines()
@@ -84,17 +99,14 @@ def test_without_the_kernel_feature_every_dump_is_full(tmp_path: Path) -> None:
         await env.cedana_checkpoint("c1", leave_running=True)
         assert [_parent_of_dump(env, n) for n in range(2)] == [None, None]
         assert "track-mem" not in _criu_config(env, "c1")  # CRIU would refuse it
-        await env.kill("c1", signal.SIGKILL)
-        await env.wait("c1")
+        await _kill(env)
 
     TaskWorld(tmp_path).run(body)
 
 
 def test_a_dump_against_the_parent_that_fails_is_done_again_in_full(tmp_path: Path) -> None:
     async def body(env: TaskEnv) -> None:
-        _tracking(env)
-        await env.run("c1", SLEEP, label="web")
-        await _compacted(env, (await env.cedana_checkpoint("c1", leave_running=True)).checkpoint_id)
+        await _tracked_with_a_checkpoint(env)
         env.fake.control(checkpoint={"error_with_parent": "Hole not found in parent"})
         second = (await env.cedana_checkpoint("c1", leave_running=True)).checkpoint_id
         assert _parent_of_dump(env, 1) is not None
@@ -102,17 +114,14 @@ def test_a_dump_against_the_parent_that_fails_is_done_again_in_full(tmp_path: Pa
         assert env.checkpoints_of("web")[0] == second
         assert os.path.isdir(_raw_dir(env, second))
         assert not os.path.lexists(os.path.join(_raw_dir(env, second), "parent"))
-        await env.kill("c1", signal.SIGKILL)
-        await env.wait("c1")
+        await _kill(env)
 
     TaskWorld(tmp_path).run(body)
 
 
 def test_a_failed_checkpoint_leaves_no_parent_for_the_next(tmp_path: Path) -> None:
     async def body(env: TaskEnv) -> None:
-        _tracking(env)
-        await env.run("c1", SLEEP, label="web")
-        await env.cedana_checkpoint("c1", leave_running=True)
+        await _tracked_with_a_checkpoint(env)
         # This dump may have cleared the soft-dirty bits before it failed: what the
         # bits say is no longer relative to the first checkpoint.
         env.fake.control(checkpoint={"error": "no space for pages"})
@@ -121,24 +130,18 @@ def test_a_failed_checkpoint_leaves_no_parent_for_the_next(tmp_path: Path) -> No
         env.fake.control()
         await env.cedana_checkpoint("c1", leave_running=True)
         assert _parent_of_dump(env, 2) is None
-        await env.kill("c1", signal.SIGKILL)
-        await env.wait("c1")
+        await _kill(env)
 
     TaskWorld(tmp_path).run(body)
 
 
 def test_a_parent_whose_raw_images_are_gone_gives_a_full_dump(tmp_path: Path) -> None:
     async def body(env: TaskEnv) -> None:
-        _tracking(env)
-        await env.run("c1", SLEEP, label="web")
-        first = await _compacted(
-            env, (await env.cedana_checkpoint("c1", leave_running=True)).checkpoint_id
-        )
+        first = await _tracked_with_a_checkpoint(env)
         env.store.discard_raw(env.store.get(first))
         await env.cedana_checkpoint("c1", leave_running=True)
         assert _parent_of_dump(env, 1) is None
-        await env.kill("c1", signal.SIGKILL)
-        await env.wait("c1")
+        await _kill(env)
 
     TaskWorld(tmp_path).run(body)
 
@@ -169,9 +172,7 @@ def test_a_copy_that_fails_fails_a_periodic_checkpoint_and_the_next_is_full(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def body(env: TaskEnv) -> None:
-        _tracking(env)
-        await env.run("c1", SLEEP, label="web")
-        await _compacted(env, (await env.cedana_checkpoint("c1", leave_running=True)).checkpoint_id)
+        await _tracked_with_a_checkpoint(env)
         with monkeypatch.context() as patch:
             _copy_fails(patch)
             # Thawed already: dumping again would pair later memory with earlier files.
@@ -180,8 +181,7 @@ def test_a_copy_that_fails_fails_a_periodic_checkpoint_and_the_next_is_full(
         assert len(env.checkpoints_of("web")) == 1
         await env.cedana_checkpoint("c1", leave_running=True)
         assert [_parent_of_dump(env, n) is None for n in range(3)] == [True, False, True]
-        await env.kill("c1", signal.SIGKILL)
-        await env.wait("c1")
+        await _kill(env)
 
     TaskWorld(tmp_path).run(body)
 
@@ -190,9 +190,7 @@ def test_a_copy_that_fails_on_a_stop_dumps_it_again_in_full(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def body(env: TaskEnv) -> None:
-        _tracking(env)
-        await env.run("c1", SLEEP, label="web")
-        await _compacted(env, (await env.cedana_checkpoint("c1", leave_running=True)).checkpoint_id)
+        await _tracked_with_a_checkpoint(env)
         _copy_fails(monkeypatch)
         await env.kill("c1", signal.SIGTERM)  # still frozen: the same instant, in full
         assert (await env.wait("c1")).exit_status == 143
