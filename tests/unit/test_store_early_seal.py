@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from cedana_shim import errors
-from cedana_shim.checkpoint.store import early_seal
+from cedana_shim.checkpoint.store import early_seal, fsutil
 from cedana_shim.checkpoint.store.early_seal import EarlySealer, Prefix
 from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_CRIU
 from store_support import make_store
@@ -143,12 +143,12 @@ def test_a_pass_starts_the_writeback_of_what_it_read_and_never_waits_for_it(
 
 def test_the_writeback_starts_with_sync_file_range(tmp_path: Path) -> None:
     """The real call: the range given back to the kernel, no error."""
-    assert early_seal._sync_file_range() is not None  # Linux's libc has it
+    assert fsutil._sync_file_range() is not None  # Linux's libc has it
     path = tmp_path / "pages-1.img"
     path.write_bytes(os.urandom(PIECE))
     fd = os.open(path, os.O_RDONLY)
     try:
-        early_seal.start_writeback(fd, 0, PIECE)
+        fsutil.start_writeback(fd, 0, PIECE)
     finally:
         os.close(fd)
 

@@ -32,7 +32,7 @@ rename over the old image no longer flushing it), and a dump whose flatten raise
 to be published. Bulk bytes move with ``copy_file_range`` (in the kernel, or a
 reflink), read/write where a file system or kernel does not support it.
 
-Only the stdlib and the early seal's writeback at import; the generated protobuf module
+Only the stdlib and the store's fsutil at import; the generated protobuf module
 is imported on first use.
 """
 
@@ -53,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from typing import Final
 
 from ..errors import DataLoss
-from .store.early_seal import start_writeback
+from .store import fsutil
 
 __all__ = [
     "IMG_COMMON_MAGIC",
@@ -336,9 +336,7 @@ def _write_new(name: str, dir_fd: int | None, data: bytes, mode: int) -> None:
         dir_fd=dir_fd,
     )
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        fsutil.write_all(fd, data)
     finally:
         os.close(fd)
 
@@ -538,13 +536,11 @@ class _Copier:
                     continue
             else:
                 chunk = os.pread(src, want, offset)
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(dst, view) :]
+                fsutil.write_all(dst, chunk)
                 n = len(chunk)
             if n == 0:
                 raise DataLoss(f"{label}: ends at {offset} while its pages were being copied")
-            start_writeback(dst, at, n)
+            fsutil.start_writeback(dst, at, n)
             offset += n
             length -= n
 

@@ -34,7 +34,6 @@ is handed on with the prefixes and the publish raises it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import stat
 import threading
@@ -42,6 +41,8 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, TypeAlias
+
+from .fsutil import start_writeback
 
 __all__ = ["EarlySealer", "Prefix"]
 
@@ -59,38 +60,6 @@ class Prefix:
     ino: int
     size: int
     crc: int
-
-
-_SYNC_FILE_RANGE_WRITE: Final = 2  # start writing the range back; wait for nothing
-
-
-@functools.cache
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc's sync_file_range (Python's os has none); looked up at the first dump, not
-    at import: the daemon that imports the store may never dump."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        call = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    call.restype = ctypes.c_int
-    return call
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Have the kernel start writing ``length`` bytes at ``offset`` of ``fd`` to disk
-    (fdatasync where sync_file_range is missing)."""
-    call = _sync_file_range()
-    if call is None:
-        os.fdatasync(fd)
-    elif call(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
-        import ctypes
-
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
 
 
 def _is_page_image(name: str) -> bool:

@@ -18,12 +18,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import os
 import secrets
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Final, TypeAlias
 
 from cedana_shim import errors
@@ -59,6 +60,38 @@ def write_all(fd: int, data: Bytes) -> None:
     while view:
         n = os.write(fd, view)
         view = view[n:]
+
+
+_SYNC_FILE_RANGE_WRITE: Final = 2  # start writing the range back; wait for nothing
+
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's sync_file_range (Python's os has none); looked up at the first dump, not
+    at import: the daemon that imports the store may never dump."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Have the kernel start writing ``length`` bytes at ``offset`` of ``fd`` to disk
+    (fdatasync where sync_file_range is missing)."""
+    call = _sync_file_range()
+    if call is None:
+        os.fdatasync(fd)
+    elif call(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
+        import ctypes
+
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
 
 
 def sha256_bytes(data: bytes) -> str:
