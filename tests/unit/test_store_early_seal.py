@@ -8,6 +8,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cedana_shim import errors
@@ -116,7 +117,7 @@ def test_a_prefix_of_another_inode_or_a_longer_one_is_not_used(tmp_path: Path) -
         assert _publish_followed(tmp_path / change, change).size == 8 * PIECE
 
 
-def test_a_pass_starts_the_writeback_of_what_it_read_and_never_waits_for_it(
+def test_a_pass_starts_the_writeback_of_what_the_file_holds_and_never_waits_for_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     started: list[tuple[int, int]] = []
@@ -139,6 +140,49 @@ def test_a_pass_starts_the_writeback_of_what_it_read_and_never_waits_for_it(
     _wait_until_read(sealer, 2 * PIECE)
     sealer.stop()
     assert started[:2] == [(0, PIECE), (PIECE, PIECE)]
+
+
+def test_the_writeback_of_all_a_file_holds_starts_before_any_of_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk keeps pace with CRIU, not with the CRC reads: the first pass starts the
+    writeback of the whole file, though it reads only _PASS_BYTES of it."""
+    events: list[tuple[str, int, int]] = []
+    read = EarlySealer._read
+
+    def spy_writeback(fd: int, offset: int, length: int) -> None:
+        events.append(("writeback", offset, length))
+
+    def spy_read(self: EarlySealer, f: Any, size: int) -> bool:
+        events.append(("read", f.size, size))
+        return read(self, f, size)
+
+    monkeypatch.setattr(early_seal, "start_writeback", spy_writeback)
+    monkeypatch.setattr(EarlySealer, "_read", spy_read)
+    monkeypatch.setattr(early_seal, "_PASS_BYTES", PIECE)
+    (tmp_path / "pages-1.img").write_bytes(os.urandom(4 * PIECE))
+    sealer = EarlySealer(str(tmp_path))
+    _wait_until_read(sealer, 4 * PIECE)
+    sealer.stop()
+    assert events[0] == ("writeback", 0, 4 * PIECE)
+    # Then only reads, a piece a pass, never the same bytes' writeback again.
+    reads = [(offset, size) for what, offset, size in events[1:] if what == "read"]
+    assert len(reads) == len(events) - 1
+    assert reads[:4] == [(0, 4 * PIECE), (PIECE, 4 * PIECE), (2 * PIECE, 4 * PIECE),
+                         (3 * PIECE, 4 * PIECE)]  # fmt: skip
+
+
+def test_passes_follow_each_other_without_a_pause_while_there_is_more_to_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(early_seal, "_PASS_BYTES", PIECE)
+    monkeypatch.setattr(early_seal, "_PASS_INTERVAL_S", 30.0)
+    (tmp_path / "pages-1.img").write_bytes(os.urandom(16 * PIECE))
+    started = time.monotonic()
+    sealer = EarlySealer(str(tmp_path))
+    _wait_until_read(sealer, 16 * PIECE)  # 16 passes, far less than one pause
+    assert time.monotonic() - started < 10
+    sealer.stop()
 
 
 def test_the_writeback_starts_with_sync_file_range(tmp_path: Path) -> None:

@@ -4,12 +4,21 @@ A stop reports its exit only once the checkpoint is durable, and the seal at
 publish (rawfiles: every file fsynced and its CRC-32 read) used to start only
 after CRIU was done: for 1 GiB about 0.6 s of the stop, all of it after the
 dump. An EarlySealer follows a dump directory from a thread of its own while
-CRIU fills it: each pass reads what the page images (``pages-<n>.img``, the
-bulk of a dump) gained since the last one into their running CRC-32 and starts
-the writeback of those bytes (sync_file_range, SYNC_FILE_RANGE_WRITE), so that the
-writeback runs beside the dump instead of after it. What it has read becomes a
-Prefix; the seal at publish reads only the rest of each file and its fsync finds
-little left to write.
+CRIU fills it: each pass starts the writeback (sync_file_range,
+SYNC_FILE_RANGE_WRITE) of all that the page images (``pages-<n>.img``, the bulk
+of a dump) hold by then, and then reads what they gained since the last pass into
+their running CRC-32, so that the writeback runs beside the dump instead of after
+it. What it has read becomes a Prefix; the seal at publish reads only the rest of
+each file and its fsync finds little left to write.
+
+The writeback goes ahead of the reads, and passes follow each other without a
+pause while there is something new. The first version started the writeback only
+of what a pass had read, at most 64 MiB per 50 ms pass: the disk, which drains
+queued writeback at ~2.4 GB/s here, idled while CRIU wrote at ~2.7 GB/s, and a
+1 GiB stop still had ~620 MiB dirty when CRIU finished (Dirty and Writeback in
+/proc/meminfo sampled every 10 ms during a benchmark stop: 0.27 s of fsync after a
+0.62 s dump). With the writeback ahead, at most ~130 MiB was dirty at any instant
+and the seal took 0.02-0.10 s after the dump.
 
 Not fdatasync: on ext4 each fdatasync of a file still growing commits the journal
 (its size changed), and CRIU's appends wait for those commits. With an fdatasync
@@ -46,8 +55,8 @@ from .fsutil import start_writeback
 
 __all__ = ["EarlySealer", "Prefix"]
 
-_PASS_INTERVAL_S: Final = 0.05
-_PASS_BYTES: Final = 64 << 20  # per file and pass: a stop waits for at most one pass
+_PASS_INTERVAL_S: Final = 0.02  # the pause after a pass that found nothing new
+_PASS_BYTES: Final = 64 << 20  # read per file and pass: the writeback is started that often
 _BUF: Final = 1 << 20
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -73,7 +82,7 @@ class _Followed:
     ino: int
     size: int = 0
     crc: int = 0
-    synced: int = 0
+    started: int = 0  # the writeback is started up to here
 
 
 Keep: TypeAlias = Callable[[dict[str, Prefix], OSError | None], None]
@@ -121,21 +130,27 @@ class EarlySealer:
         except OSError:
             return
         try:
-            while self._error is None and not self._stopping.wait(_PASS_INTERVAL_S):
-                self._pass(dir_fd)
+            while self._error is None and not self._stopping.is_set():
+                if not self._pass(dir_fd):
+                    self._stopping.wait(_PASS_INTERVAL_S)
         finally:
             os.close(dir_fd)
 
-    def _pass(self, dir_fd: int) -> None:
+    def _pass(self, dir_fd: int) -> bool:
+        """One pass over the page images; whether it read anything new."""
+        progress = False
         with contextlib.suppress(OSError):
             with os.scandir(dir_fd) as it:
                 names = sorted(e.name for e in it if _is_page_image(e.name))
-            for name in names:
-                if self._stopping.is_set() or self._error is not None:
-                    return
-                followed = self._files.get(name) or self._open(dir_fd, name)
-                if followed is not None:
-                    self._advance(followed)
+            files = [
+                f for name in names if (f := self._files.get(name) or self._open(dir_fd, name))
+            ]
+            ends = [self._start_writeback(f) for f in files]
+            for followed, end in zip(files, ends, strict=True):
+                if self._stopping.is_set():
+                    break
+                progress |= self._read(followed, end)
+        return progress
 
     def _open(self, dir_fd: int, name: str) -> _Followed | None:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
@@ -147,20 +162,28 @@ class EarlySealer:
         self._files[name] = followed
         return followed
 
-    def _advance(self, f: _Followed) -> None:
-        # Up to the size seen now: what lies below it is written (appends only).
-        end = min(os.fstat(f.fd).st_size, f.size + _PASS_BYTES)
+    def _start_writeback(self, f: _Followed) -> int:
+        """Starts the writeback of what the file holds now; its size."""
+        # What lies below the size seen now is written (appends only).
+        size = os.fstat(f.fd).st_size
+        if size > f.started:
+            try:
+                start_writeback(f.fd, f.started, size - f.started)
+            except OSError as err:
+                self._error = err
+                raise
+            f.started = size
+        return size
+
+    def _read(self, f: _Followed, size: int) -> bool:
+        """Reads on up to ``size`` (at most _PASS_BYTES) into the CRC; whether it read."""
+        end = min(size, f.size + _PASS_BYTES)
         view = memoryview(self._buf)
+        before = f.size
         while f.size < end and not self._stopping.is_set():
             n = os.preadv(f.fd, [view[: min(_BUF, end - f.size)]], f.size)
             if n <= 0:
                 break
             f.crc = zlib.crc32(view[:n], f.crc)
             f.size += n
-        if f.size > f.synced:
-            try:
-                start_writeback(f.fd, f.synced, f.size - f.synced)
-            except OSError as err:
-                self._error = err
-                raise
-            f.synced = f.size
+        return f.size > before
