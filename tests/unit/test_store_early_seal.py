@@ -153,7 +153,7 @@ def test_the_writeback_of_all_a_file_holds_starts_before_any_of_it_is_read(
     def spy_writeback(fd: int, offset: int, length: int) -> None:
         events.append(("writeback", offset, length))
 
-    def spy_read(self: EarlySealer, f: Any, size: int) -> bool:
+    def spy_read(self: EarlySealer, f: Any, size: int) -> int:
         events.append(("read", f.size, size))
         return read(self, f, size)
 
@@ -176,6 +176,7 @@ def test_passes_follow_each_other_without_a_pause_while_there_is_more_to_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(early_seal, "_PASS_BYTES", PIECE)
+    monkeypatch.setattr(early_seal, "_BUSY_BYTES", PIECE)
     monkeypatch.setattr(early_seal, "_PASS_INTERVAL_S", 30.0)
     (tmp_path / "pages-1.img").write_bytes(os.urandom(16 * PIECE))
     started = time.monotonic()
@@ -183,6 +184,25 @@ def test_passes_follow_each_other_without_a_pause_while_there_is_more_to_read(
     _wait_until_read(sealer, 16 * PIECE)  # 16 passes, far less than one pause
     assert time.monotonic() - started < 10
     sealer.stop()
+
+
+def test_a_pass_that_found_little_new_pauses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow dump, where every pass finds a few pages new, must not make the follower
+    a busy loop beside CRIU."""
+    passes: list[float] = []
+
+    def a_few_pages_each_time(self: EarlySealer, dir_fd: int) -> int:
+        passes.append(time.monotonic())
+        return 4096
+
+    monkeypatch.setattr(EarlySealer, "_pass", a_few_pages_each_time)
+    monkeypatch.setattr(early_seal, "_PASS_INTERVAL_S", 0.05)
+    sealer = EarlySealer(str(tmp_path))
+    time.sleep(0.5)
+    sealer.stop()
+    assert 2 <= len(passes) <= 12  # one per pause, not thousands
 
 
 def test_the_writeback_starts_with_sync_file_range(tmp_path: Path) -> None:

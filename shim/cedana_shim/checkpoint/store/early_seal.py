@@ -12,7 +12,7 @@ it. What it has read becomes a Prefix; the seal at publish reads only the rest o
 each file and its fsync finds little left to write.
 
 The writeback goes ahead of the reads, and passes follow each other without a
-pause while there is something new. The first version started the writeback only
+pause while each finds at least 16 MiB new. The first version started the writeback only
 of what a pass had read, at most 64 MiB per 50 ms pass: the disk, which drains
 queued writeback at ~2.4 GB/s here, idled while CRIU wrote at ~2.7 GB/s, and a
 1 GiB stop still had ~620 MiB dirty when CRIU finished (Dirty and Writeback in
@@ -55,8 +55,11 @@ from .fsutil import start_writeback
 
 __all__ = ["EarlySealer", "Prefix"]
 
-_PASS_INTERVAL_S: Final = 0.02  # the pause after a pass that found nothing new
+_PASS_INTERVAL_S: Final = 0.02  # the pause after a pass that found little new
 _PASS_BYTES: Final = 64 << 20  # read per file and pass: the writeback is started that often
+# A pass that read less pauses: a slow dump must not turn the follower into a busy loop
+# that takes the CPU CRIU needs (at 2.7 GB/s CRIU writes this much in ~6 ms).
+_BUSY_BYTES: Final = 16 << 20
 _BUF: Final = 1 << 20
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -131,14 +134,14 @@ class EarlySealer:
             return
         try:
             while self._error is None and not self._stopping.is_set():
-                if not self._pass(dir_fd):
+                if self._pass(dir_fd) < _BUSY_BYTES:
                     self._stopping.wait(_PASS_INTERVAL_S)
         finally:
             os.close(dir_fd)
 
-    def _pass(self, dir_fd: int) -> bool:
-        """One pass over the page images; whether it read anything new."""
-        progress = False
+    def _pass(self, dir_fd: int) -> int:
+        """One pass over the page images; how many bytes it read."""
+        read = 0
         with contextlib.suppress(OSError):
             with os.scandir(dir_fd) as it:
                 names = sorted(e.name for e in it if _is_page_image(e.name))
@@ -149,8 +152,8 @@ class EarlySealer:
             for followed, end in zip(files, ends, strict=True):
                 if self._stopping.is_set():
                     break
-                progress |= self._read(followed, end)
-        return progress
+                read += self._read(followed, end)
+        return read
 
     def _open(self, dir_fd: int, name: str) -> _Followed | None:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
@@ -175,8 +178,8 @@ class EarlySealer:
             f.started = size
         return size
 
-    def _read(self, f: _Followed, size: int) -> bool:
-        """Reads on up to ``size`` (at most _PASS_BYTES) into the CRC; whether it read."""
+    def _read(self, f: _Followed, size: int) -> int:
+        """Reads on up to ``size`` (at most _PASS_BYTES) into the CRC; how much it read."""
         end = min(size, f.size + _PASS_BYTES)
         view = memoryview(self._buf)
         before = f.size
@@ -186,4 +189,4 @@ class EarlySealer:
                 break
             f.crc = zlib.crc32(view[:n], f.crc)
             f.size += n
-        return f.size > before
+        return f.size - before
