@@ -12,13 +12,15 @@ it. What it has read becomes a Prefix; the seal at publish reads only the rest o
 each file and its fsync finds little left to write.
 
 The writeback goes ahead of the reads, and passes follow each other without a
-pause while each finds at least 16 MiB new. The first version started the writeback only
-of what a pass had read, at most 64 MiB per 50 ms pass: the disk, which drains
-queued writeback at ~2.4 GB/s here, idled while CRIU wrote at ~2.7 GB/s, and a
-1 GiB stop still had ~620 MiB dirty when CRIU finished (Dirty and Writeback in
-/proc/meminfo sampled every 10 ms during a benchmark stop: 0.27 s of fsync after a
-0.62 s dump). With the writeback ahead, at most ~130 MiB was dirty at any instant
-and the seal took 0.02-0.10 s after the dump.
+pause while each finds at least 16 MiB new. Until 2026-12-03 the follower started
+the writeback only of what a pass had read, at most 64 MiB per 50 ms pass: the
+disk, which drains queued writeback at ~2.4 GB/s here, idled while CRIU wrote at
+~2.7 GB/s, and a 1 GiB stop still had ~620 MiB dirty when CRIU finished (Dirty and
+Writeback in /proc/meminfo sampled every 10 ms during a benchmark stop: 0.27 s of
+fsync after a 0.62 s dump). With the writeback ahead, at most ~130 MiB was dirty at
+any instant and the seal took 0.02-0.10 s after the dump. A pass that finds less
+pauses, because in a slow dump every pass finds a few pages and the follower would
+spin on a CPU beside CRIU (bench/README.md, 2026-12-03 evening).
 
 Not fdatasync: on ext4 each fdatasync of a file still growing commits the journal
 (its size changed), and CRIU's appends wait for those commits. With an fdatasync
