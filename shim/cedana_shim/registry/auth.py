@@ -15,7 +15,6 @@ errors and bounds what it reads; this module only decides what to send.
 from __future__ import annotations
 
 import base64
-import json
 import threading
 import time
 import urllib.parse
@@ -23,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from cedana_shim import untrusted_json
 from cedana_shim.errors import DataLoss, PermissionDenied
 
 from .credentials import Credentials
@@ -172,8 +172,8 @@ class Authenticator:
 
     def _parse_token(self, realm: str, body: bytes) -> tuple[str, float]:
         try:
-            document = json.loads(body)
-        except (ValueError, RecursionError):
+            document = untrusted_json.loads(body)
+        except ValueError:
             document = None
         if not isinstance(document, dict):
             raise DataLoss(f"registry {self._host}: token server {realm} sent no JSON object")

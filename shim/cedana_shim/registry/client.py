@@ -11,13 +11,12 @@ not as the spec says is DataLoss naming the registry.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Final
 
-from cedana_shim import errors
+from cedana_shim import errors, untrusted_json
 from cedana_shim.errors import DataLoss, InvalidArgument
 
 from .auth import scope_for
@@ -447,8 +446,8 @@ class RegistryClient:
 
     def _json_object(self, body: bytes, what: str) -> dict[str, object]:
         try:
-            document = json.loads(body)
-        except (ValueError, RecursionError) as err:
+            document = untrusted_json.loads(body)
+        except ValueError as err:
             raise DataLoss(f"registry {self.host}: {what}: not valid JSON: {err}") from None
         if not isinstance(document, dict):
             raise DataLoss(f"registry {self.host}: {what}: not a JSON object")

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import os
 import stat
 from dataclasses import dataclass
 from typing import Any, Final
 
+from cedana_shim import untrusted_json
 from cedana_shim.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
 __all__ = ["Credentials", "load_credentials", "parse_auth_config", "read_auth_file"]
@@ -92,8 +92,8 @@ def _host_key(key: str) -> str:
 def parse_auth_config(data: bytes, host: str, *, source: str) -> Credentials | None:
     """Parse a docker ``config.json``; ``source`` names the file in errors."""
     try:
-        document = json.loads(data)
-    except (ValueError, RecursionError) as err:
+        document = untrusted_json.loads(data)
+    except ValueError as err:
         raise InvalidArgument(f"registry auth file {source} is not valid JSON: {err}") from None
     if not isinstance(document, dict):
         raise InvalidArgument(f"registry auth file {source}: expected a JSON object")

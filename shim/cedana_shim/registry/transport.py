@@ -14,7 +14,6 @@ read bounded (64 KiB) and their ``errors[].code/message`` quoted.
 from __future__ import annotations
 
 import contextlib
-import json
 import ssl
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -30,7 +29,7 @@ from urllib3.exceptions import (
     TimeoutError as Urllib3Timeout,
 )
 
-from cedana_shim import errors
+from cedana_shim import errors, untrusted_json
 from cedana_shim.errors import DataLoss, PermissionDenied, ShimError
 
 from .auth import Authenticator
@@ -294,8 +293,8 @@ def error_detail(response: Response) -> str:
     """The registry's error message: ``CODE: message`` of its JSON, bounded."""
     data = release(response)
     try:
-        document = json.loads(data)
-    except (ValueError, RecursionError):
+        document = untrusted_json.loads(data)
+    except ValueError:
         document = None
     if isinstance(document, dict) and isinstance(document.get("errors"), list):
         parts = [

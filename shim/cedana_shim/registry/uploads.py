@@ -18,6 +18,8 @@ import threading
 from dataclasses import dataclass
 from typing import Final
 
+from cedana_shim import untrusted_json
+
 __all__ = ["UploadState", "UploadStates"]
 
 _MAX_STATE_BYTES: Final = 64 << 10
@@ -77,8 +79,8 @@ class UploadStates:
             path = _state_path(self._dir, self._registry, repo, digest)
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             with os.fdopen(fd, "rb") as handle:
-                record = json.loads(handle.read(_MAX_STATE_BYTES))
-        except (OSError, ValueError, RecursionError):
+                record = untrusted_json.loads(handle.read(_MAX_STATE_BYTES))
+        except (OSError, ValueError):
             return None
         expected = {"registry": self._registry, "repository": repo, "digest": digest}
         if not isinstance(record, dict) or any(record.get(k) != v for k, v in expected.items()):

@@ -28,7 +28,7 @@ import struct
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
-from .. import errors
+from .. import errors, untrusted_json
 
 RUN_DIR: Final = "/run/cedana/slurm"  # the runners' state: root only
 SOCKET_DIR: Final = "/run/cedana-slurm"  # their control sockets (see above)
@@ -103,7 +103,7 @@ class ControlServer:
                     f"may (uids {allowed})"
                 )
             try:
-                request = json.loads(line)
+                request = untrusted_json.loads(line)
             except ValueError as err:
                 raise errors.InvalidArgument(f"bad control request: {err}") from None
             if not isinstance(request, dict):

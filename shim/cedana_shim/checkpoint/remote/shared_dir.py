@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import os
 import secrets
 import stat
@@ -42,7 +41,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import IO, Final
 
-from cedana_shim import errors
+from cedana_shim import errors, untrusted_json
 from cedana_shim.checkpoint.store import fsutil
 from cedana_shim.registry import (
     BLOCK_SIZE,
@@ -396,8 +395,8 @@ def _check_owner(fd: int, path: str) -> None:
 def _check_manifest(body: bytes, media_type: str | None, accept: Sequence[str], what: str) -> str:
     """The manifest's declared media type, which must be one of ``accept``."""
     try:
-        document = json.loads(body)
-    except (ValueError, RecursionError) as err:
+        document = untrusted_json.loads(body)
+    except ValueError as err:
         raise errors.DataLoss(f"{what}: not valid JSON: {err}") from None
     declared = document.get("mediaType") if isinstance(document, dict) else None
     if not isinstance(declared, str) or declared not in accept:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
-from cedana_shim import errors
+from cedana_shim import errors, untrusted_json
 
 __all__ = [
     "ANN_CHUNK_FILE",
@@ -236,10 +236,10 @@ def load_json(data: bytes, where: str) -> Any:
     """Strict JSON: UTF-8, no duplicate keys, no NaN/Infinity."""
     try:
         text = data.decode("utf-8")
-        return json.loads(
+        return untrusted_json.loads(
             text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant
         )
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+    except ValueError as err:  # UnicodeDecodeError is one
         raise errors.DataLoss(f"{where}: not valid JSON ({err})") from None
 
 
