@@ -60,6 +60,7 @@ def test_the_bound_is_the_real_nesting_depth(
         b"[" * 50_000,
         "[" * 50_000,
         b'{"a":' * 10_000,
+        json.dumps(["]" * 500 + "\\", _nest([], MAX_DEPTH - 1, use_dict=True)]),
         b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1),
     ],
 )
@@ -68,9 +69,24 @@ def test_a_deep_document_is_refused(data: str | bytes) -> None:
         loads(data)
 
 
-def test_brackets_in_strings_and_escapes_do_not_count() -> None:
-    document = ['\\"' + "[" * 500, {"{" * 500: '"]'}]
+@pytest.mark.parametrize(
+    "document",
+    [
+        ['\\"' + "[" * 500, {"{" * 500: '"]'}],
+        ["\\", "[" * 500, "\\\\", "{" * 500],
+        ["]" * 500 + "\\", _nest([], MAX_DEPTH - 2, use_dict=True)],
+    ],
+)
+def test_brackets_in_strings_and_escapes_do_not_count(document: Any) -> None:
     assert loads(json.dumps(document).encode()) == document
+    assert loads(json.dumps(document, ensure_ascii=False)) == document
+
+
+def test_utf16_and_utf32_are_checked_too() -> None:
+    for encoding in ("utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"):
+        with pytest.raises(ValueError, match="levels deep"):
+            loads(("[" * 50_000).encode(encoding))
+        assert loads(("[" * MAX_DEPTH + "]" * MAX_DEPTH).encode(encoding))
 
 
 class _Finalized:
