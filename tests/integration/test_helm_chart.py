@@ -139,7 +139,11 @@ def test_default_render(helm: list[str]) -> None:
     assert "--default-runtime" in args and not any(a.startswith("--runc-binary") for a in args)
     assert not any("checkpoint_interval" in a for a in args)
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
-    assert env == {"NODE_NAME": "spec.nodeName", "POD_NAMESPACE": "metadata.namespace"}
+    assert env == {
+        "NODE_NAME": "spec.nodeName",
+        "POD_NAMESPACE": "metadata.namespace",
+        "POD_IP": "status.podIP",  # --metrics-address
+    }
     probe = container["readinessProbe"]["exec"]["command"]
     assert probe[:3] == ["/opt/cedana/bin/cedana", "node", "status"]
 

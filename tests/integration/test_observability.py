@@ -10,8 +10,10 @@ stopped (checkpoint) and a new pod resumes from it (restore); then:
   phases and `promtool check metrics` (Debian's prometheus) finds them clean;
 * the shim logged one line per operation whose phases add up to its wall time, and
   published containerd's /tasks/checkpointed;
-* the chart exposes the metrics port with scrape annotations and lets the agent post
-  Events.
+* the chart exposes the metrics port with scrape annotations, serves it on the pod's
+  IP, and lets the agent post Events;
+* the agent serves /metrics on 127.0.0.1 unless told otherwise, and 800 silent
+  connections to it cost no thread each: they are dropped while scrapes go on.
 
 The agent's host root is the test containerd's base dir: its node config there names
 the containerd's store, and the install it attempts first fails harmlessly (no
@@ -21,8 +23,11 @@ containerd config, no CRIU in that root), which must not hold up the Events.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -112,9 +117,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclasses.dataclass(frozen=True)
+class Agent:
+    log: Path
+    pid: int
+
+    def threads(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/task"))
+
+
 @contextlib.contextmanager
-def node_agent(containerd: Containerd, api: ApiStandIn, port: int) -> Iterator[Path]:
-    """`cedana node run` on the containerd's base dir as host root; yields its log."""
+def node_agent(containerd: Containerd, api: ApiStandIn, port: int) -> Iterator[Agent]:
+    """`cedana node run` on the containerd's base dir as host root."""
     host_root = containerd.base
     (host_root / "shim.toml").write_text(f'store_path = "/{containerd.store.name}"\n')
     log = host_root / f"agent-{uuid.uuid4().hex[:6]}.log"
@@ -127,7 +141,7 @@ def node_agent(containerd: Containerd, api: ApiStandIn, port: int) -> Iterator[P
     with open(log, "wb") as out:
         agent = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
-        yield log
+        yield Agent(log, agent.pid)
     finally:
         agent.send_signal(signal.SIGTERM)
         try:
@@ -163,7 +177,7 @@ def test_events_metrics_and_log_lines_of_a_checkpoint_and_restore(
     shim_log = ShimLog(containerd)
     try:
         with (
-            node_agent(containerd, api, port) as agent_log,
+            node_agent(containerd, api, port) as agent,
             EventStream(containerd.socket) as events,
             contextlib.ExitStack() as stack,
         ):
@@ -187,7 +201,7 @@ def test_events_metrics_and_log_lines_of_a_checkpoint_and_restore(
                 reasons = [e["reason"] for e in api.of(kns)]
                 return reasons if {"Checkpointed", "Restored"} <= set(reasons) else None
 
-            reasons = wait_for(posted, timeout=30, what=f"events in {kns}, agent log: {agent_log}")
+            reasons = wait_for(posted, timeout=30, what=f"events in {kns}, agent log: {agent.log}")
             assert reasons == ["Checkpointed", "Restored"], reasons
             checkpointed, restored = api.of(kns)
             assert checkpointed["involvedObject"]["name"] == "counter"
@@ -233,6 +247,73 @@ def test_events_metrics_and_log_lines_of_a_checkpoint_and_restore(
     assert sum(line["phases"].values()) == pytest.approx(line["seconds"], abs=0.002)
 
 
+def _refused(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=10).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def _closed_by_agent(sock: socket.socket) -> bool:
+    sock.settimeout(0)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.ctrd_versions("2.1")
+def test_the_agent_serves_metrics_on_loopback_unless_told(containerd: Containerd) -> None:
+    port = _free_port()
+    api = ApiStandIn()
+    try:
+        with node_agent(containerd, api, port) as agent:
+            wait_for(lambda: scrape(port), timeout=60, what=f"metrics, agent log: {agent.log}")
+            # All of 127/8 is loopback: an agent on every address answers on 127.0.0.2.
+            assert _refused("127.0.0.2", port)
+    finally:
+        api.close()
+
+
+@pytest.mark.ctrd_versions("2.1")
+def test_idle_metrics_connections_hold_no_thread_and_are_dropped(containerd: Containerd) -> None:
+    port = _free_port()
+    api = ApiStandIn()
+    count = 800
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < count + 200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4 * count), hard))
+    idle: list[socket.socket] = []
+    try:
+        with node_agent(containerd, api, port) as agent:
+            wait_for(lambda: scrape(port), timeout=60, what=f"metrics, agent log: {agent.log}")
+            threads = agent.threads()
+            idle = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(count)]
+            # The agent has taken them in: it closes the oldest silent ones to make room
+            # (a thread-per-connection server starts a thread for each instead).
+            wait_for(
+                lambda: any(map(_closed_by_agent, idle)) or agent.threads() > threads + count // 2,
+                timeout=60,
+                what="the agent to take the idle connections in",
+            )
+            # A few threads of its own may come and go (gRPC's, the observer's).
+            assert agent.threads() < threads + 10, (threads, agent.threads())
+            assert "cedana_build_info" in scrape(port)
+            wait_for(
+                lambda: all(map(_closed_by_agent, idle)),
+                timeout=90,
+                what="every idle connection to be dropped",
+            )
+            assert agent.threads() < threads + 10, (threads, agent.threads())
+    finally:
+        for sock in idle:
+            sock.close()
+        api.close()
+
+
 def test_the_chart_exposes_metrics_and_may_post_events(helm: list[str]) -> None:  # noqa: F811
     docs = [d for d in _yaml_docs(run([*helm, "template", "x", str(CHART)])) if d]
     (daemonset,) = [
@@ -247,6 +328,10 @@ def test_the_chart_exposes_metrics_and_may_post_events(helm: list[str]) -> None:
     (container,) = pod["spec"]["containers"]
     assert container["ports"] == [{"name": "metrics", "containerPort": 9464, "protocol": "TCP"}]
     assert "--metrics-port=9464" in container["args"]
+    # On the pod's IP, where Prometheus' pod discovery scrapes; kubelet expands $(POD_IP).
+    assert "--metrics-address=$(POD_IP)" in container["args"]
+    pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert pod_ip in container["env"]
     (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
     rules = {(r["resources"][0], v) for r in role["rules"] for v in r["verbs"]}
     assert {("events", "create"), ("pods", "get")} <= rules
@@ -260,8 +345,21 @@ def test_the_chart_exposes_metrics_and_may_post_events(helm: list[str]) -> None:
         d for d in off if d["kind"] == "DaemonSet" and "helper" in d["metadata"]["name"]
     ]
     assert "annotations" not in daemonset["spec"]["template"]["metadata"]
-    assert "ports" not in daemonset["spec"]["template"]["spec"]["containers"][0]
-    assert "--metrics-port=0" in daemonset["spec"]["template"]["spec"]["containers"][0]["args"]
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    assert "ports" not in container
+    assert "--metrics-port=0" in container["args"]
+    assert not any(a.startswith("--metrics-address") for a in container["args"])
+    assert pod_ip not in container["env"]
+
+    chosen = run([*helm, "template", "x", str(CHART), "--set", "metrics.address=0.0.0.0"])
+    (daemonset,) = [
+        d
+        for d in _yaml_docs(chosen)
+        if d and d["kind"] == "DaemonSet" and "helper" in d["metadata"]["name"]
+    ]
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    assert "--metrics-address=0.0.0.0" in container["args"]
+    assert pod_ip not in container["env"]
 
 
 def _yaml_docs(text: str) -> list[Any]:

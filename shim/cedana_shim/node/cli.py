@@ -263,6 +263,13 @@ def register(subparsers: Any) -> None:
         metavar="PORT",
         help="serve Prometheus metrics on this port, /metrics (default %(default)s; 0: none)",
     )
+    p.add_argument(
+        "--metrics-address",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="the address metrics are served on (default %(default)s: this host only; the "
+        "chart passes the pod's IP, where Prometheus scrapes)",
+    )
     p.add_argument("--kubeconfig", metavar="FILE", help="default: in-cluster credentials")
     p.add_argument("--kube-api", metavar="URL", help="API server URL without credentials")
     p.add_argument(
@@ -443,24 +450,25 @@ def _run_helper(args: argparse.Namespace) -> int:
 
 def _observer(args: argparse.Namespace, api: Any, opts: Any) -> Callable[[], None]:
     """The chore that turns the shims' operation records into pod Events and
-    metrics; starts the metrics server (``--metrics-port``)."""
-    from prometheus_client import start_http_server
-
+    metrics; starts the metrics server (``--metrics-address``, ``--metrics-port``)."""
     from .hostfs import HostRoot
     from .metrics import AgentMetrics
+    from .metrics_server import MetricsServer
     from .ops_spool import OpsObserver, node_store_root
     from .report import NodeError
 
     metrics = AgentMetrics()
     if args.metrics_port:
         try:
-            start_http_server(args.metrics_port, registry=metrics.registry)
+            server = MetricsServer(metrics.registry, args.metrics_address, args.metrics_port)
         except OSError as err:
             raise NodeError(
-                f"cannot serve metrics on port {args.metrics_port}: {err.strerror}; "
-                "choose another --metrics-port (0: no metrics)"
+                f"cannot serve metrics on {args.metrics_address} port {args.metrics_port}: "
+                f"{err.strerror or err}; choose another --metrics-address or --metrics-port "
+                "(0: no metrics)"
             ) from None
-        logging.getLogger("cedana.node").info("metrics on :%d/metrics", args.metrics_port)
+        server.start()
+        logging.getLogger("cedana.node").info("metrics on %s", server.url)
     observer = OpsObserver(api, metrics, args.node_name)
     host = HostRoot(opts.host_root)
 
