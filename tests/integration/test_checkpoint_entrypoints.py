@@ -4,7 +4,9 @@
   through cedana's pipeline: the checkpoint lands in the node's store (reason
   "task-api") and containerd still gets its images (a checkpoint image it can list);
 - an invalid label fails the container's creation with a message naming the label
-  and the rule: an opted-in workload never runs silently without protection.
+  and the rule: an opted-in workload never runs silently without protection; a huge
+  value is quoted by its start and length, and an interval in other digits than 0-9
+  is refused.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from cedana_shim.checkpoint.policy import echoed
 from cedana_shim.checkpoint.store import Store, StoreConfig
 
 from .harness.config import CEDANA
@@ -74,6 +77,29 @@ def test_invalid_label_fails_the_create(
         proc = ctr(*args, check=False)
         assert proc.returncode != 0, "a container with an invalid label ran"
         assert repr(label) in proc.stderr and rule in proc.stderr, proc.stderr
+        assert ctr.task(cid) is None
+    finally:
+        ctr.remove(cid)
+
+
+@pytest.mark.parametrize(
+    "env, rule",
+    [
+        (f"CEDANA_CHECKPOINT={'a' * 100_000}", "over 128"),
+        (f"CEDANA_CHECKPOINT_INTERVAL={'9' * 100_000}m", "not a duration"),
+        ("CEDANA_CHECKPOINT_INTERVAL=\u0661\u0660m", "(digits 0-9)"),  # Arabic-Indic 10m
+    ],
+    ids=["huge-label", "huge-interval", "arabic-indic-interval"],
+)
+def test_a_bad_value_fails_the_create_quoted_in_short(
+    containerd: Containerd, ctr: Ctr, new_id: NewId, env: str, rule: str
+) -> None:
+    cid = new_id("badvalue")
+    try:
+        proc = ctr(*_cedana_run(ctr, containerd.images.busybox, cid, "true", env=env), check=False)
+        assert proc.returncode != 0, "a container with an invalid setting ran"
+        assert echoed(env.partition("=")[2]) in proc.stderr and rule in proc.stderr, proc.stderr
+        assert len(proc.stderr) < 2000, proc.stderr[:3000]
         assert ctr.task(cid) is None
     finally:
         ctr.remove(cid)

@@ -4,15 +4,18 @@ from typing import Any
 
 import pytest
 from cedana_shim.checkpoint.policy import (
+    ECHO_MAX,
     LABEL_MAX,
     Mode,
+    echoed,
     parse_duration,
     policy_for,
     validate_label,
 )
 from cedana_shim.errors import InvalidArgument
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.examples import examples
 
 
 def spec(env: list[str] | None = None, **annotations: str) -> dict[str, Any]:
@@ -73,7 +76,7 @@ def test_invalid_labels_name_the_label_and_the_rule(label: str, rule: str) -> No
     with pytest.raises(InvalidArgument) as info:
         policy_for(spec([f"CEDANA_CHECKPOINT={label}"]), "c1", "default")
     assert rule in str(info.value)
-    assert repr(label) in str(info.value)
+    assert echoed(label) in str(info.value)
     assert "CEDANA_CHECKPOINT" in str(info.value)
 
 
@@ -119,6 +122,57 @@ def test_any_accepted_interval_is_finite_and_in_range(text: str) -> None:
     except InvalidArgument:
         return
     assert 10.0 <= seconds <= 30 * 86400
+
+
+# Other scripts' digits and spaces: str.isdigit(), \d, float() and str.strip() take
+# them all, so Arabic-Indic "10m" once meant ten minutes.
+@pytest.mark.parametrize(
+    "text",
+    ["\u0661\u0660m", "\uff11\uff10m", "\u0967\u0966", "1\u0660s", "10m\u00a0", "\u300010m"],
+    ids=["arabic-indic", "fullwidth", "devanagari-seconds", "mixed", "nbsp", "ideographic-space"],
+)
+def test_an_interval_is_ascii_digits_only(text: str) -> None:
+    with pytest.raises(InvalidArgument, match=r"is not a duration; write .*\(digits 0-9\)"):
+        policy_for(spec(["CEDANA_CHECKPOINT=x", f"CEDANA_CHECKPOINT_INTERVAL={text}"]), "c1", "d")
+    with pytest.raises(InvalidArgument, match="not a duration"):
+        parse_duration(text, "node config checkpoint_interval")
+
+
+@settings(max_examples=examples(200))
+@given(
+    st.text(
+        st.characters(categories=("Nd", "Zs")) | st.sampled_from("0123456789.mhs \t"),
+        max_size=12,
+    )
+)
+def test_an_accepted_interval_is_written_in_ascii(text: str) -> None:
+    try:
+        parse_duration(text, "test")
+    except InvalidArgument:
+        return
+    assert text.isascii()
+
+
+@pytest.mark.parametrize(
+    "env, mode",
+    [
+        ("CEDANA_ENABLE= On\t", Mode.MANUAL),
+        ("CEDANA_ENABLE=\uff11", Mode.OFF),  # a fullwidth 1
+        ("CEDANA_ENABLE=on\u3000", Mode.OFF),
+        ("CEDANA_ENABLE=\u0661", Mode.OFF),
+    ],
+)
+def test_enable_takes_ascii_words_only(env: str, mode: Mode) -> None:
+    assert policy_for(spec([env]), "c1", "d").mode is mode
+
+
+def test_a_fallback_takes_ascii_words_only() -> None:
+    env = [f"CEDANA_RESTORE={CHECKPOINT_ID}", "CEDANA_RESTORE_FALLBACK= COLD\n"]
+    assert policy_for(spec(env), "c1", "d").restore_fallback == "cold"
+    env[1] = "CEDANA_RESTORE_FALLBACK=cold\u3000"
+    with pytest.raises(InvalidArgument, match="restore fallback") as caught:
+        policy_for(spec(env), "c1", "d")
+    assert repr("cold\u3000") in str(caught.value)
 
 
 def test_env_and_annotation_labels_that_differ_are_refused() -> None:
@@ -205,15 +259,48 @@ def test_hostile_restore_values_are_refused_with_the_rule(value: str, rule: str)
     assert rule in message and "(from env CEDANA_RESTORE)" in message
 
 
-def test_a_huge_restore_value_is_not_echoed_whole() -> None:
-    with pytest.raises(InvalidArgument) as caught:
-        policy_for(spec(["CEDANA_RESTORE=" + "9" * 100_000]), "c1", "default")
-    assert len(str(caught.value)) < 400
-
-
 def test_image_digest_only_from_a_pinned_reference() -> None:
     digest = "sha256:" + "ab" * 32
     pinned = spec(["CEDANA_ENABLE=1"], **{"io.kubernetes.cri.image-name": f"reg/app@{digest}"})
     assert policy_for(pinned, "c1", "k8s.io").image_digest == digest
     tagged = spec(["CEDANA_ENABLE=1"], **{"io.kubernetes.cri.image-name": "reg/app:1"})
     assert policy_for(tagged, "c1", "k8s.io").image_digest == ""
+
+
+HUGE = "9" * 100_000
+# Every error that quotes a user's value, with a 100 KB value.
+HUGE_VALUES = {
+    "label": [f"CEDANA_CHECKPOINT={HUGE}"],
+    "label-characters": [f"CEDANA_CHECKPOINT=a b{HUGE}"],
+    "interval": [f"CEDANA_CHECKPOINT_INTERVAL={HUGE}m"],
+    "interval-range": ["CEDANA_CHECKPOINT_INTERVAL=" + "1h" * 50_000],
+    "restore": [f"CEDANA_RESTORE={HUGE}"],
+    "fallback": [f"CEDANA_RESTORE={CHECKPOINT_ID}", f"CEDANA_RESTORE_FALLBACK={HUGE}"],
+}
+
+
+@pytest.mark.parametrize("env", HUGE_VALUES.values(), ids=HUGE_VALUES.keys())
+def test_a_huge_value_is_echoed_by_its_start_and_length(env: list[str]) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        policy_for(spec(env), "c1", "default")
+    message = str(caught.value)
+    value = env[-1].partition("=")[2]
+    assert echoed(value) in message
+    assert len(message) < 400, message
+
+
+def test_conflicting_huge_values_are_both_capped() -> None:
+    s = spec([f"CEDANA_CHECKPOINT=a{HUGE}"], **{"cedana.ai/checkpoint": f"b{HUGE}"})
+    with pytest.raises(InvalidArgument, match="conflicting") as caught:
+        policy_for(s, "c1", "default")
+    assert str(caught.value).count(f"... ({len(HUGE) + 1} characters)") == 2
+    assert len(str(caught.value)) < 400
+
+
+@given(st.text(max_size=2 * ECHO_MAX))
+def test_echoed_is_the_value_whole_or_its_start_and_length(value: str) -> None:
+    shown = echoed(value)
+    if len(value) <= ECHO_MAX:
+        assert shown == repr(value)
+    else:
+        assert shown == f"{value[:ECHO_MAX]!r}... ({len(value)} characters)"

@@ -24,6 +24,7 @@ broke; silently running an opted-in workload without protection is worse.
 from __future__ import annotations
 
 import re
+import string
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -53,10 +54,14 @@ CRI_POD = "io.kubernetes.cri.sandbox-name"
 CRI_CONTAINER = "io.kubernetes.cri.container-name"
 CRI_IMAGE = "io.kubernetes.cri.image-name"
 TRUE_WORDS = {"1", "true", "yes", "on"}
+# How much of a value an error message quotes: a 100 KB label must not make a 100 KB
+# error (in containerd's log, kubelet's events, a terminal).
+ECHO_MAX = 64
 
-_DURATION = re.compile(r"(\d{1,9}(?:\.\d{1,9})?)(ms|s|m|h)")
-# Digits only: float() would also take "nan", "inf" and "1e400".
-_PLAIN_SECONDS = re.compile(r"\d{1,9}(?:\.\d{1,9})?")
+# ASCII digits only: \d, float() and int() also take other scripts' digits (U+0661
+# U+0660 "m" was ten minutes), and float() "nan", "inf" and "1e400".
+_DURATION = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,9})?)(ms|s|m|h)")
+_PLAIN_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -96,10 +101,25 @@ def validate_label(label: str, source: str) -> str:
         rule = "it contains characters outside [A-Za-z0-9._-]"
     if rule:
         raise InvalidArgument(
-            f"checkpoint label {label!r} (from {source}) is invalid: {rule}; "
+            f"checkpoint label {echoed(label)} (from {source}) is invalid: {rule}; "
             f"use 1-{LABEL_MAX} characters of letters, digits, '.', '_' or '-'"
         )
     return label
+
+
+def echoed(value: str) -> str:
+    """A user's value as an error message quotes it: whole up to :data:`ECHO_MAX`
+    characters, else its start and its length."""
+    if len(value) <= ECHO_MAX:
+        return repr(value)
+    return f"{value[:ECHO_MAX]!r}... ({len(value)} characters)"
+
+
+def _word(text: str) -> str:
+    """``text`` trimmed and lowercased to compare with ASCII words. str.strip() and
+    lower() know Unicode (U+3000 is a space, the Kelvin sign lowercases to 'k'): a value
+    with any other character is kept as it is, so that it equals none of them."""
+    return text.strip(string.whitespace).lower() if text.isascii() else text
 
 
 def _text_rule(text: str, limit: int) -> str:
@@ -123,9 +143,8 @@ def validate_restore_ref(text: str, source: str) -> str:
     if not rule and not re.fullmatch(r"[0-9A-Za-z-]+", text):
         rule = "it contains characters outside [A-Za-z0-9-]"
     if rule:
-        shown = text if len(text) <= 2 * RESTORE_REF_MAX else text[: 2 * RESTORE_REF_MAX] + "..."
         raise InvalidArgument(
-            f"checkpoint to restore {shown!r} (from {source}) is invalid: {rule}; give a "
+            f"checkpoint to restore {echoed(text)} (from {source}) is invalid: {rule}; give a "
             "checkpoint id as `cedana checkpoints list` shows it (e.g. "
             "20261129T183000Z-3f9a1c2b) or a unique prefix of one"
         )
@@ -133,10 +152,10 @@ def validate_restore_ref(text: str, source: str) -> str:
 
 
 def validate_fallback(text: str, source: str) -> str:
-    value = text.strip().lower()
+    value = _word(text)
     if value not in (FALLBACK_COLD, FALLBACK_FAIL):
         raise InvalidArgument(
-            f"restore fallback {text[:64]!r} (from {source}) is invalid: use "
+            f"restore fallback {echoed(text)} (from {source}) is invalid: use "
             f"{FALLBACK_COLD!r} (start cold when the checkpoint cannot be restored) or "
             f"{FALLBACK_FAIL!r} (the default: the container fails to start)"
         )
@@ -153,7 +172,7 @@ def image_digest(image: str) -> str:
 def parse_duration(text: str, source: str) -> float:
     """Go-style durations (``90s``, ``10m``, ``1h30m``, ``500ms``) or plain seconds,
     between :data:`MIN_INTERVAL` and :data:`MAX_INTERVAL`."""
-    value = text.strip()
+    value = text.strip(string.whitespace)
     if _PLAIN_SECONDS.fullmatch(value):
         seconds = float(value)
     else:
@@ -165,12 +184,12 @@ def parse_duration(text: str, source: str) -> float:
             pos = match.end()
         if pos != len(value) or not value:
             raise InvalidArgument(
-                f"checkpoint interval {text!r} (from {source}) is not a duration; "
-                "write e.g. 90s, 10m or 1h30m"
+                f"checkpoint interval {echoed(text)} (from {source}) is not a duration; "
+                "write e.g. 90s, 10m or 1h30m (digits 0-9)"
             ) from None
     if not MIN_INTERVAL <= seconds <= MAX_INTERVAL:
         raise InvalidArgument(
-            f"checkpoint interval {text!r} (from {source}) is out of range: use "
+            f"checkpoint interval {echoed(text)} (from {source}) is out of range: use "
             f"{MIN_INTERVAL:g}s to {MAX_INTERVAL / 86400:g} days"
         )
     return seconds
@@ -199,8 +218,8 @@ def _setting(
         from_annotation = str(from_annotation)
     if from_env is not None and from_annotation is not None and from_env != from_annotation:
         raise InvalidArgument(
-            f"conflicting settings: env {env_key}={from_env!r} but annotation "
-            f"{annotation}={from_annotation!r}; set one of them, or both to the same value"
+            f"conflicting settings: env {env_key}={echoed(from_env)} but annotation "
+            f"{annotation}={echoed(from_annotation)}; set one of them, or both to the same value"
         )
     if from_env is not None:
         return f"env {env_key}", from_env
@@ -233,7 +252,7 @@ def policy_for(spec: Mapping[str, Any], container_id: str, containerd_namespace:
     if setting is not None:
         label = validate_label(setting[1], setting[0])
         return Policy(Mode.AUTO, label, interval=interval, **restore, **identity)
-    enabled = env.get(ENV_ENABLE, "").strip().lower() in TRUE_WORDS
+    enabled = _word(env.get(ENV_ENABLE, "")) in TRUE_WORDS
     if enabled or interval is not None or restore:
         # Manual checkpoints land under the container's own name.
         label = validate_label(identity["container"], "the container name")
@@ -249,6 +268,6 @@ def _restore_settings(env: Mapping[str, str], annotations: Mapping[str, Any]) ->
     ref = validate_restore_ref(setting[1], setting[0])
     fallback = FALLBACK_FAIL
     chosen = _setting(env, ENV_RESTORE_FALLBACK, annotations, ANN_RESTORE_FALLBACK)
-    if chosen is not None and chosen[1].strip():
+    if chosen is not None and chosen[1].strip(string.whitespace):
         fallback = validate_fallback(chosen[1], chosen[0])
     return {"restore": ref, "restore_fallback": fallback}
