@@ -143,6 +143,17 @@ def test_only_the_given_address_is_served(registry: CollectorRegistry) -> None:
         server.close()
 
 
+def test_an_ipv6_address_is_served(registry: CollectorRegistry) -> None:
+    # A pod's IP may be an IPv6 one.
+    server = MetricsServer(registry, "::1", 0)
+    server.start()
+    try:
+        assert server.url == f"http://[::1]:{server.address[1]}/metrics"
+        assert get(server.url)[1] == generate_latest(registry)
+    finally:
+        server.close()
+
+
 def test_a_port_in_use_fails_at_once(server: MetricsServer, registry: CollectorRegistry) -> None:
     with pytest.raises(OSError, match="in use"):
         MetricsServer(registry, "127.0.0.1", server.address[1])

@@ -92,10 +92,12 @@ class MetricsServer:
         server = await asyncio.start_server(
             self._connection, sock=self._sock, limit=MAX_HEAD, backlog=_BACKLOG
         )
-        async with server:
-            await self._stop.wait()
+        await self._stop.wait()
+        server.close()
+        # Before wait_closed(): from Python 3.12 on it waits for every connection.
         for writer in [*self._waiting, *self._answering]:
             writer.transport.abort()
+        await server.wait_closed()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._waiting) + len(self._answering) >= self._max:
@@ -197,8 +199,8 @@ def _scope(head: bytes, writer: asyncio.StreamWriter) -> dict[str, Any] | None:
         "query_string": query,
         "root_path": "",
         "headers": headers,
-        "client": writer.get_extra_info("peername"),
-        "server": writer.get_extra_info("sockname"),
+        "client": writer.get_extra_info("peername")[:2],  # an IPv6 one has 4 fields
+        "server": writer.get_extra_info("sockname")[:2],
     }
 
 
