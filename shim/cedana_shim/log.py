@@ -18,6 +18,13 @@ every record to the node's shim log file (:func:`add_node_log`, node config
 ``log_file``): one ``write(2)`` with ``O_APPEND`` per record, so the lines of the
 daemons sharing the file never interleave, and a size cap with rotation
 (:class:`NodeLogHandler`).
+
+A size cap also means that a burst of one error (asyncio logs a traceback for
+every failed ``accept()`` once a process is out of descriptors: thousands a
+second) would rotate every earlier line out of the file. So both handlers let
+through at most ``REPEAT_BURST`` warnings or errors of one kind per
+``REPEAT_WINDOW`` and then count the rest, which one line reports once the window
+is over: "N similar lines suppressed" (:class:`RepeatFilter`).
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ import json
 import logging
 import os
 import select
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 # LogRecord attributes that are not user fields.
@@ -36,6 +46,11 @@ _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskN
 FIFO_WAIT = 0.2
 LOG_FILE_LIMIT = 10 << 20  # bytes in the live file before it is rotated
 LOG_FILE_GENERATIONS = 3  # rotated files kept: <file>.1 (newest) .. <file>.3
+# Warnings and errors of one kind written per window (RepeatFilter). Info lines are
+# one per operation (a checkpoint, a restore) and are never held back.
+REPEAT_BURST = 10
+REPEAT_WINDOW = 10.0  # seconds
+REPEAT_KINDS = 1024  # kinds tracked at once (a template built per call is one kind each)
 
 
 class JsonFormatter(logging.Formatter):
@@ -190,6 +205,110 @@ class NodeLogHandler(logging.Handler):
             super().close()
 
 
+@dataclass(slots=True)
+class _Window:
+    end: float
+    seen: int = 0
+    suppressed: int = 0
+    level: int = logging.WARNING
+
+
+class RepeatFilter(logging.Filter):
+    """Lets through at most ``burst`` warnings or errors of one kind per ``window``
+    seconds, for the one handler it is given to.
+
+    A kind is the logger, the message template (``record.msg``, before its
+    arguments and ``extra`` fields are filled in) and the exception's type: a flood
+    of one failure, whatever its changing details. The window opens at a kind's
+    first record; what comes after ``burst`` of them is dropped and counted, and the
+    first record the handler gets once the window is over (of any kind) is preceded
+    by one line of that logger: ``"N similar lines suppressed"``, the template in
+    ``like``. Records below WARNING always pass.
+    """
+
+    SUMMARY = "_cedana_repeat_summary"
+
+    def __init__(
+        self,
+        handler: logging.Handler,
+        burst: int = REPEAT_BURST,
+        window: float = REPEAT_WINDOW,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self._handler = handler
+        self.burst = burst
+        self.window = window
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._windows: dict[tuple[str, str, str], _Window] = {}
+        self._next_end = float("inf")  # the earliest end of a window that dropped some
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, self.SUMMARY, False):
+            return True
+        now = self._clock()
+        with self._lock:
+            due = self._ended(now) if now >= self._next_end else []
+            passes = record.levelno < logging.WARNING or self._admit(record, now)
+        for key, window in due:  # outside the lock: the handler filters these too
+            self._handler.handle(self._summary(key, window))
+        return passes
+
+    def _admit(self, record: logging.LogRecord, now: float) -> bool:
+        error = record.exc_info[0].__name__ if record.exc_info and record.exc_info[0] else ""
+        key = (record.name, str(record.msg), error)
+        window = self._windows.get(key)
+        if window is None or now >= window.end:
+            if len(self._windows) >= REPEAT_KINDS:
+                self._forget_quiet(now)
+            window = self._windows[key] = _Window(now + self.window)
+        window.seen += 1
+        if window.seen <= self.burst:
+            return True
+        window.suppressed += 1
+        window.level = max(window.level, record.levelno)
+        self._next_end = min(self._next_end, window.end)
+        return False
+
+    def _ended(self, now: float) -> list[tuple[tuple[str, str, str], _Window]]:
+        """The windows over that dropped records, forgotten (the next record of their
+        kind opens a new one); notes when the next such window ends."""
+        due = [(k, w) for k, w in self._windows.items() if w.suppressed and now >= w.end]
+        for key, _ in due:
+            del self._windows[key]
+        ends = [w.end for w in self._windows.values() if w.suppressed]
+        self._next_end = min(ends, default=float("inf"))
+        return due
+
+    def _forget_quiet(self, now: float) -> None:
+        """Room for another kind: windows over, then any that dropped nothing."""
+        for key in [k for k, w in self._windows.items() if now >= w.end and not w.suppressed]:
+            del self._windows[key]
+        if len(self._windows) >= REPEAT_KINDS:
+            for key in [k for k, w in self._windows.items() if not w.suppressed]:
+                del self._windows[key]
+
+    def _summary(self, key: tuple[str, str, str], window: _Window) -> logging.LogRecord:
+        name, template, error = key
+        summary = logging.LogRecord(
+            name, window.level, __file__, 0, "%d similar lines suppressed",
+            (window.suppressed,), None,
+        )  # fmt: skip
+        summary.like = template
+        if error:
+            summary.error_type = error
+        summary.window_s = self.window
+        setattr(summary, self.SUMMARY, True)
+        return summary
+
+
+def limit_repeats(handler: logging.Handler) -> logging.Handler:
+    """``handler`` with a :class:`RepeatFilter` of its own; returns it."""
+    handler.addFilter(RepeatFilter(handler, REPEAT_BURST, REPEAT_WINDOW))
+    return handler
+
+
 class _Setup:
     """What :func:`configure` chose, for handlers added later."""
 
@@ -223,7 +342,7 @@ def configure(fd: int | None, *, debug: bool, static: dict[str, str] | None = No
         return
     handler = FdHandler(fd)
     handler.setFormatter(_Setup.formatter)
-    root.addHandler(handler)
+    root.addHandler(limit_repeats(handler))
 
 
 def add_node_log(path: str) -> None:
@@ -251,4 +370,4 @@ def add_node_log(path: str) -> None:
         )
         return
     handler.setFormatter(_Setup.formatter)
-    root.addHandler(handler)
+    root.addHandler(limit_repeats(handler))
