@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from cedana_shim import errors
+from cedana_shim.runtime import criu_log
 from cedana_shim.runtime.console import ConsoleSocket
 from cedana_shim.runtime.reaper import Reaper
 from cedana_shim.runtime.runc import (
@@ -608,8 +609,8 @@ def test_console_socket_peer_without_fd(tmp_path: Path) -> None:
     asyncio.run(body())
 
 
-def test_criu_dump_log_is_kept_in_the_bundle(fake: Fake, tmp_path: Path) -> None:
-    work = tmp_path / "work"
+def _failing_dump(fake: Fake, work: Path, criu_log: str) -> None:
+    """runc checkpoint fails as it does when CRIU does, after CRIU wrote ``criu_log``."""
     fake.control(
         checkpoint={
             "exit": 1,
@@ -619,19 +620,91 @@ def test_criu_dump_log_is_kept_in_the_bundle(fake: Fake, tmp_path: Path) -> None
                     "msg": f"criu failed: type NOTIFY errno 0\nlog file: {work}/dump.log",
                 }
             ],
-            "criu_log": {"name": "dump.log", "text": "(00.1) a\n(00.2) Error (criu/x.c:1): boom\n"},
+            "criu_log": {"name": "dump.log", "text": criu_log},
         }
     )
 
+
+def _dump(fake: Fake, tmp_path: Path, keep_log_in: Path | None = None) -> RuncError:
     async def body(reaper: Reaper) -> None:
-        opts = CheckpointOpts(image_path=str(tmp_path / "img"), work_path=str(work))
-        await fake.runc(reaper).checkpoint("c1", opts)
+        opts = CheckpointOpts(image_path=str(tmp_path / "img"), work_path=str(tmp_path / "work"))
+        await fake.runc(reaper).checkpoint(
+            "c1", opts, keep_log_in=str(keep_log_in) if keep_log_in else None
+        )
 
     with pytest.raises(RuncUnknown) as info:
         run_with_reaper(body)
+    return info.value
+
+
+def test_criu_dump_log_is_kept_in_the_bundle(fake: Fake, tmp_path: Path) -> None:
+    _failing_dump(fake, tmp_path / "work", "(00.1) a\n(00.2) Error (criu/x.c:1): boom\n")
+    err = _dump(fake, tmp_path)
     kept = fake.bundle / "criu-dump.log"
     assert kept.read_text().endswith("boom\n")
-    assert info.value.message == f"criu failed: type NOTIFY errno 0; criu log: {kept}"
+    assert err.message == f"criu: Error (criu/x.c:1): boom; criu log: {kept}"
+
+
+def test_a_failed_dump_says_criu_s_first_error_not_runc_s(fake: Fake, tmp_path: Path) -> None:
+    """CRIU's log of a process of another user dumped without CAP_SYS_RESOURCE, as CRIU
+    4.2 writes it: the error about CRIU's own fd limit comes first and is not the
+    reason; the cascade after the reason is not either."""
+    _failing_dump(
+        fake,
+        tmp_path / "work",
+        "(00.106813) Dumping processes (pid: 26794 comm: python3)\n"
+        "(00.106832) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: "
+        "Operation not permitted\n"
+        "(00.107356) cg: Dumping cgroups for thread 26880\n"
+        "(00.113408) Error (criu/cr-dump.c:389): Can't get rlimit 0: Operation not permitted\n"
+        "(00.113411) Error (criu/cr-dump.c:1584): Dump core (pid: 26794) failed with -1\n"
+        "(00.119079) Error (criu/cr-dump.c:1975): Dumping FAILED.\n",
+    )
+    err = _dump(fake, tmp_path)
+    assert err.message.startswith(
+        "criu: Error (criu/cr-dump.c:389): Can't get rlimit 0: Operation not permitted; "
+    ), err.message
+    assert "NOTIFY" not in str(err)
+
+
+def test_runc_s_own_message_stays_beside_criu_s(fake: Fake, tmp_path: Path) -> None:
+    fake.control(
+        checkpoint={
+            "exit": 1,
+            "log": [{"level": "error", "msg": "cannot write state.json"}],
+            "criu_log": {"name": "dump.log", "text": "pie: 12: Error (criu/pie/x.c:5): bad fd\n"},
+        }
+    )
+    err = _dump(fake, tmp_path)
+    assert err.message.startswith(
+        "cannot write state.json; criu: Error (criu/pie/x.c:5): bad fd; criu log: "
+    ), err.message
+
+
+def test_criu_logs_are_kept_bounded_outside_the_bundle(fake: Fake, tmp_path: Path) -> None:
+    """With a keep dir (the store's, which outlives the container): the tail of each
+    log, at most criu_log.KEEP_FILES of them, the newest kept."""
+    keep = tmp_path / "kept"
+    big = "(00.1) x\n" * (criu_log.KEEP_BYTES // 9 + 100) + "(00.2) Error (criu/x.c:1): last\n"
+    _failing_dump(fake, tmp_path / "work", big)
+    err = _dump(fake, tmp_path, keep)
+    (first,) = keep.iterdir()
+    assert err.message.endswith(f"; criu log: {first}")
+    assert first.name.endswith("-c1-dump.log")
+    assert first.stat().st_size == criu_log.KEEP_BYTES
+    assert first.read_text().endswith("Error (criu/x.c:1): last\n")
+    assert first.stat().st_mode & 0o777 == 0o600 and keep.stat().st_mode & 0o777 == 0o700
+    assert not (fake.bundle / "criu-dump.log").exists()
+
+
+def test_old_copies_of_criu_logs_are_removed(tmp_path: Path) -> None:
+    keep, source = tmp_path / "kept", tmp_path / "dump.log"
+    paths = []
+    for n in range(criu_log.KEEP_FILES + 3):
+        source.write_text(f"Error (criu/x.c:1): failure {n}\n")
+        paths.append(criu_log.keep(str(source), str(keep), "c1-dump.log"))
+    assert sorted(str(p) for p in keep.iterdir()) == paths[3:]
+    assert Path(paths[-1]).read_text() == f"Error (criu/x.c:1): failure {criu_log.KEEP_FILES + 2}\n"
 
 
 def test_criu_restore_log_is_kept_and_stale_logs_ignored(fake: Fake, tmp_path: Path) -> None:
@@ -657,8 +730,10 @@ def test_criu_restore_log_is_kept_and_stale_logs_ignored(fake: Fake, tmp_path: P
     )
     with pytest.raises(RuncUnknown) as info:
         run_with_reaper(body)
-    assert (fake.bundle / "criu-restore.log").exists()
-    assert info.value.message == f"exit status 1; criu log: {fake.bundle / 'criu-restore.log'}"
+    kept = fake.bundle / "criu-restore.log"
+    assert info.value.message == (
+        f"exit status 1; criu: Error (criu/cr-restore.c:9): no pid; criu log: {kept}"
+    )
 
 
 async def _wait_for_call(fake: Fake, n: int = 1) -> int:

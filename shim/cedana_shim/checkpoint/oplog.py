@@ -12,6 +12,10 @@ half of one. The spool is bounded (:data:`MAX_RECORDS`): a writer that finds it 
 (no agent on this node) deletes the oldest records and adds their number to the
 ``dropped`` counter file, under ``ops/lock``; the agent reports that counter.
 
+Beside the records, ``ops/criu-logs/`` keeps the tail of CRIU's log of each failed
+dump or restore (runtime/criu_log.py, at most 64 of 64 KiB): the failure's message
+names it, and it outlives the container whose work dir CRIU wrote it in.
+
 Import-light on purpose: it runs on the checkpoint's and the restore's paths.
 """
 
@@ -35,6 +39,7 @@ MAX_RECORDS: Final = 1000
 DROPPED_FILE: Final = "dropped"
 LOCK_FILE: Final = "lock"
 RECORD_SUFFIX: Final = ".json"
+CRIU_LOGS_DIR: Final = "criu-logs"
 _TMP_PREFIX: Final = ".tmp-"
 _sequence = itertools.count()
 
@@ -108,6 +113,11 @@ def sum_to(total: float, phases: Mapping[str, float]) -> dict[str, float]:
 
 def spool_path(store_root: str) -> str:
     return os.path.join(store_root, SPOOL_DIR)
+
+
+def criu_logs_path(store_root: str) -> str:
+    """Where the copies of CRIU's logs of failed runs are kept."""
+    return os.path.join(store_root, SPOOL_DIR, CRIU_LOGS_DIR)
 
 
 def write(store_root: str, record: OpRecord) -> None:

@@ -39,6 +39,7 @@ from typing import Any, Final, TypeVar
 
 from cedana_shim import errors
 from cedana_shim.bundle_state import clear_criu_group, criu_root, mark_criu_group
+from cedana_shim.runtime import criu_log
 from cedana_shim.runtime.lazy_pages import PagesDaemon
 from cedana_shim.runtime.pgroup import kill_criu_group, start_time
 from cedana_shim.runtime.reaper import KILL_GRACE_SECONDS, Child, Reaper
@@ -328,7 +329,11 @@ def _stat_key(path: str) -> tuple[int, int, int] | None:
 @dataclass(frozen=True, slots=True)
 class _CriuLog:
     source: str  # the log CRIU writes in its work (or image) dir
-    copy_to: str | None  # where it is kept, since the work dir is often deleted
+    # Where a copy is kept, since the work dir is often deleted: a directory of
+    # bounded copies (:func:`.criu_log.keep`) that outlives the container, else
+    # this one file (in the bundle, deleted with it).
+    keep_in: str | None
+    copy_to: str | None
     # The log as it was before the call: one left by an earlier run is not news.
     before: tuple[int, int, int] | None
 
@@ -432,16 +437,21 @@ class Runc:
             raise errors.Internal(f"runc state printed {out[:200]!r}, not an object")
         return state
 
-    async def checkpoint(self, id: str, opts: CheckpointOpts) -> None:
+    async def checkpoint(
+        self, id: str, opts: CheckpointOpts, *, keep_log_in: str | None = None
+    ) -> None:
         """``runc checkpoint``; with a bundle (the runc log's dir) in a process group of
         its own, recorded there while it runs, as a restore is: CRIU outlives a killed
         runc and, holding the container's tasks, keeps them from dying. Cancelled, runc
         gets SIGTERM (CRIU then undoes the dump at its next step) and ``kill_grace``;
-        whatever of the group is left, CRIU stuck in a step included, is SIGKILLed."""
+        whatever of the group is left, CRIU stuck in a step included, is SIGKILLed.
+
+        A failure names CRIU's first error line and a copy of its log, kept in
+        ``keep_log_in`` (else in the bundle)."""
         bundle = os.path.dirname(self.log_path) if self.log_path else None
         source = os.path.join(opts.work_path or opts.image_path, "dump.log")
         copy_to = os.path.join(bundle, "criu-dump.log") if bundle else None
-        log = _CriuLog(source, copy_to, _stat_key(source))
+        log = _CriuLog(source, keep_log_in, copy_to, _stat_key(source))
         pass_fds = () if opts.status_fd is None else (opts.status_fd,)
         try:
             await self._run(
@@ -456,7 +466,9 @@ class Runc:
             if bundle:
                 clear_criu_group(bundle)
 
-    async def restore(self, id: str, opts: RestoreOpts) -> PagesDaemon | None:
+    async def restore(
+        self, id: str, opts: RestoreOpts, *, keep_log_in: str | None = None
+    ) -> PagesDaemon | None:
         """``runc restore`` in a process group of its own (runc, CRIU and CRIU's action
         scripts), recorded in the bundle while it runs (see :mod:`.pgroup`): if this
         daemon dies, ``delete`` stops the restore instead of letting it finish outside
@@ -467,9 +479,11 @@ class Runc:
         started first (:mod:`.lazy_pages`); it is returned once runc is done and the
         tasks run, still bringing their memory in: the caller awaits its ``wait()``
         (or ``abandon()``) before it calls the restore done. LazyPagesFailed when the
-        daemon cannot start or died under runc."""
+        daemon cannot start or died under runc. CRIU's log of a failure is kept as for
+        a checkpoint."""
         source = os.path.join(opts.work_path or opts.image_path, "restore.log")
-        log = _CriuLog(source, os.path.join(opts.bundle, "criu-restore.log"), _stat_key(source))
+        copy_to = os.path.join(opts.bundle, "criu-restore.log")
+        log = _CriuLog(source, keep_log_in, copy_to, _stat_key(source))
         daemon = None
         if opts.lazy_pages:
             daemon = await PagesDaemon.start(
@@ -617,9 +631,7 @@ class Runc:
                 os.close(fd)
         message = self._last_log_error(log_offset) or err_text.strip() or f"exit status {ex.status}"
         if criu_log is not None:
-            # runc's second line names the CRIU log in the work dir, which the
-            # caller usually deletes; the kept copy replaces it.
-            message = message.split("\n", 1)[0] + _keep_criu_log(criu_log)
+            message = _criu_reason(message, criu_log, id)
         raise classify(verb, ex.status, message)
 
     async def _kill_cancelled_group(
@@ -793,33 +805,43 @@ def _parse_json(verb: str, out: bytes) -> Any:
 
 CRIU_LOG_TAIL_LINES = 40
 CRIU_LOG_TAIL_BYTES = 16 << 10
+# What runc says of every CRIU failure, whatever CRIU's reason.
+_CRIU_FAILED = re.compile(r"criu failed: type \w+ errno \d+")
 
 
-def _keep_criu_log(log: _CriuLog) -> str:
-    """Copy CRIU's log next to the bundle; the text to add to the error message.
-
-    The log is not mined for an "Error" line: the first ones are often harmless
-    and the last is "Dumping FAILED.", so the path is what is useful.
-    """
-    import shutil
-
+def _criu_reason(message: str, log: _CriuLog, id: str) -> str:
+    """runc's ``message`` with CRIU's own reason (its first error line) in place of
+    runc's ``criu failed: type NOTIFY errno 0``, and the kept copy of CRIU's log in
+    place of the one runc names (in the work dir, which the caller usually deletes)."""
+    said = message.split("\n", 1)[0]
     now = _stat_key(log.source)
     if now is None or now == log.before:  # CRIU never ran, e.g. runc refused first
-        return ""
-    path = log.source
-    # The bundle (and the copy in it) is deleted with the container; the tail in
-    # the shim's own log (containerd's log) is what survives for a post-mortem.
+        return said
+    reason = criu_log.first_error(log.source)
+    if reason:
+        said = f"criu: {reason}" if _CRIU_FAILED.fullmatch(said) else f"{said}; criu: {reason}"
+    return f"{said}; criu log: {_keep_criu_log(log, id)}"
+
+
+def _keep_criu_log(log: _CriuLog, id: str) -> str:
+    """Keep a copy of CRIU's log; its path (the source's when no copy could be made).
+    Its last lines also go to the shim's own log (containerd's log)."""
+    import shutil
+
+    kept = log.source
     try:
-        with open(log.source, "rb") as f:
+        if log.keep_in:
+            kept = criu_log.keep(log.source, log.keep_in, f"{id}-{os.path.basename(log.source)}")
+        elif log.copy_to:
+            shutil.copyfile(log.source, log.copy_to)
+            kept = log.copy_to
+    except OSError as err:
+        logger.warning("cannot keep a copy of %s: %s", log.source, err, extra={"container": id})
+    try:
+        with open(kept, "rb") as f:
             f.seek(max(0, os.fstat(f.fileno()).st_size - CRIU_LOG_TAIL_BYTES))
             tail = f.read().decode(errors="replace").splitlines()[-CRIU_LOG_TAIL_LINES:]
-        logger.error("criu failed", extra={"criu_log": log.source, "criu_log_tail": tail})
     except OSError:
-        pass
-    if log.copy_to:
-        try:
-            shutil.copyfile(log.source, log.copy_to)
-            path = log.copy_to
-        except OSError as err:
-            logger.warning("cannot copy %s to %s: %s", log.source, log.copy_to, err)
-    return f"; criu log: {path}"
+        return kept
+    logger.error("criu failed", extra={"container": id, "criu_log": kept, "criu_log_tail": tail})
+    return kept

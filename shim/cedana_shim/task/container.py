@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import criu_config
+from ..checkpoint.oplog import criu_logs_path
 from ..checkpoint.pipeline import Target
 from ..checkpoint.restore import RestoreRequest, RestoreSession
 from ..checkpoint.rootfs_diff import reset_layer
@@ -288,6 +289,7 @@ class Container:
                     lazy_pages=request.lazy_pages,
                     stdio=stdio,
                 ),
+                keep_log_in=criu_logs_path(self.cr.pipeline.store.root) if self.cr else None,
             )
             pages.extend([daemon] if daemon is not None else [])
 
