@@ -39,7 +39,7 @@ from ..runtime.mount import Mount
 from ..runtime.reaper import Reaper
 from ..runtime.runc import CheckpointOpts, Runc
 from ..runtime.tcp_repair import tcp_summary
-from . import cpu_fit, criu_config
+from . import cpu_fit, criu_config, preflight
 from .dirty_tracking import DirtyTracking
 from .gpu_steps import GpuDump, GpuSteps
 from .layers import (
@@ -52,7 +52,7 @@ from .layers import (
     spec_mounts,
 )
 from .netinfo import network_facts, preload_network_facts
-from .oplog import PhaseClock
+from .oplog import PhaseClock, criu_logs_path
 from .policy import Policy
 from .rootfs_diff import capture, capture_dir, upperdir_of
 from .store import Entry, Ingest, Store, priority
@@ -236,6 +236,8 @@ class Pipeline:
     async def dump(self, target: Target, request: DumpRequest) -> Dump:
         """CRIU dump + rootfs diff into a staging area; the caller publishes or aborts."""
         started = time.monotonic()
+        # What CRIU is known to refuse fails the checkpoint before the freeze or the hooks.
+        await asyncio.to_thread(preflight.check, target.container_id, target.pid)
         # Network facts and tool versions are gathered while CRIU dumps, not before:
         # pyroute2's import and two `--version` runs would otherwise delay the stop.
         context = asyncio.get_running_loop().create_task(self._context(target))
@@ -448,6 +450,7 @@ class Pipeline:
                         file_locks=self.config.file_locks,
                         shell_job=target.terminal,
                     ),
+                    keep_log_in=criu_logs_path(self.store.root),
                 )
         finally:
             await asyncio.shield(asyncio.to_thread(early_seal.stop))

@@ -4,7 +4,8 @@ Checks what the shim relies on — CRIU >= 4.1 that works on this kernel and can
 dump a process holding a TCP socket (a real dump, see node.criu_probe), runc,
 the checkpoint store's location and permissions, and for GPU nodes the NVIDIA
 driver, the CUDA checkpoint API or ``cuda-checkpoint``, and the devices — and
-says for each missing piece what to do.
+says for each missing piece what to do. It also says what the node's capability
+bounding set lets CRIU dump (CAP_SYS_RESOURCE: processes of other users).
 """
 
 from __future__ import annotations
@@ -98,6 +99,47 @@ def criu_features(path: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+SYS_RESOURCE_WITH = (
+    "CAP_SYS_RESOURCE is in the capability bounding set: CRIU can dump processes of any user"
+)
+SYS_RESOURCE_WITHOUT = (
+    "CAP_SYS_RESOURCE is missing from the capability bounding set: a container with a "
+    "process that does not run as root (most databases and web servers drop root) cannot "
+    "be checkpointed, and its checkpoint fails at once saying so; add CAP_SYS_RESOURCE to "
+    "the bounding set containerd runs with (systemd: CapabilityBoundingSet= in its unit)"
+)
+
+
+def check_capabilities(proc: str = "/proc") -> dict[str, Any]:
+    """CAP_SYS_RESOURCE in the bounding set of containerd (which the shims, and CRIU
+    under them, inherit), or of this process when no containerd is visible."""
+    from ..checkpoint.preflight import has_sys_resource
+
+    pids = _containerd_pids(proc)
+    try:
+        whose: list[int | str] = [*pids] or ["self"]
+        available = all(has_sys_resource(pid, proc) for pid in whose)
+    except OSError as err:
+        return {"sysResource": {"available": None, "meaning": f"cannot tell: {err}"}}
+    checked = f"containerd (pid {', '.join(map(str, pids))})" if pids else "cedana doctor"
+    meaning = SYS_RESOURCE_WITH if available else SYS_RESOURCE_WITHOUT
+    return {"sysResource": {"available": available, "checked": checked, "meaning": meaning}}
+
+
+def _containerd_pids(proc: str) -> list[int]:
+    pids = []
+    for name in os.listdir(proc):
+        if not name.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc, name, "comm")) as f:
+                if f.read().strip() == "containerd":
+                    pids.append(int(name))
+        except OSError:
+            continue
+    return sorted(pids)
+
+
 def check_runc() -> dict[str, Any]:
     path = shutil.which("runc")
     if path is None:
@@ -163,6 +205,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         "runc": check_runc(),
         "store": check_store(store),
         "gpu": readiness(cli_path=config.cuda_checkpoint_path or None),
+        "capabilities": check_capabilities(),
     }
     ready = all(report[k]["ok"] for k in ("criu", "runc", "store"))
     report["ready"] = ready
@@ -177,6 +220,8 @@ def run_doctor(args: argparse.Namespace) -> int:
             sys.stdout.write(f"{mark}  {name:<6} {item.get('path', '')}  {detail}\n")
         for feature in (report["criu"].get("features") or {}).values():
             sys.stdout.write(f"      criu   {feature['meaning']}\n")
+        for capability in report["capabilities"].values():
+            sys.stdout.write(f"      caps   {capability['meaning']}\n")
         gpu = report["gpu"]
         devices = gpu.get("devices") or []
         if devices:
