@@ -8,7 +8,9 @@ import asyncio
 import json
 import os
 import pwd
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,3 +147,170 @@ def test_commands_are_registered_with_json() -> None:
         "42", "batch", True, jobs_cli.cmd_checkpoint
     )  # fmt: skip
     assert parser.parse_args(["jobs", "--json"]).handler is jobs_cli.cmd_jobs
+
+
+# -- what anyone on the node may do to the socket (issue 24 §1) -------------------------
+
+
+def _connect(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(10)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            sock.connect(path)
+            return sock
+        except BlockingIOError:  # a full backlog: the runner has not taken them yet
+            assert time.monotonic() < deadline, "the runner takes no connection"
+            time.sleep(0.01)
+
+
+def _answer(sock: socket.socket) -> dict[str, Any]:
+    """The one line the runner sends, and that it closes the connection after it."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(4096)
+        assert chunk, f"closed without an answer (got {data!r})"
+        data += chunk
+    try:
+        rest = sock.recv(4096)
+    except ConnectionResetError:  # closed with some of what was sent unread
+        rest = b""
+    assert rest == b""
+    reply: dict[str, Any] = json.loads(data)
+    return reply
+
+
+def test_a_stranger_is_refused_at_once_without_a_byte_read(run_dir: str) -> None:
+    """Before anything is read: a stranger that sends nothing is still answered and
+    closed, and fifty of them at once hold nothing of the runner's."""
+    path = control.socket_path("42.batch", run_dir)
+    with Runner(path, frozenset({os.getuid() + 1})) as runner:
+        strangers = [_connect(path) for _ in range(50)]
+        for sock in strangers:
+            reply = _answer(sock)
+            assert reply["kind"] == "PermissionDenied", reply
+            assert f"uid {os.getuid()} may not control this job" in reply["error"]
+            sock.close()
+        assert runner.asked == []
+
+
+def test_an_idle_connection_is_dropped_at_the_read_deadline(
+    run_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(control, "READ_TIMEOUT", 0.3, raising=False)
+    path = control.socket_path("42.batch", run_dir)
+    with Runner(path, frozenset({os.getuid()})) as runner, _connect(path) as sock:
+        sock.sendall(b'{"op": "status"')  # one byte or a whole object: no newline
+        reply = _answer(sock)
+        assert reply["kind"] == "DeadlineExceeded" and "within 0.3s" in reply["error"]
+        assert runner.asked == []
+
+
+def test_a_request_longer_than_the_limit_is_refused(run_dir: str) -> None:
+    path = control.socket_path("42.batch", run_dir)
+    with Runner(path, frozenset({os.getuid()})), _connect(path) as sock:
+        sock.sendall(b"x" * (control.MAX_REQUEST + 1))
+        reply = _answer(sock)
+        assert reply["kind"] == "InvalidArgument" and "longer than 4096 bytes" in reply["error"]
+
+
+def test_connections_of_one_uid_are_bounded(run_dir: str) -> None:
+    """MAX_PER_UID connections being served (here: idle, within their deadline); the
+    next one of that uid is refused at once, and served again once one has ended."""
+    path = control.socket_path("42.batch", run_dir)
+    with Runner(path, frozenset({os.getuid()})):
+        held = [_connect(path) for _ in range(control.MAX_PER_UID)]
+        with _connect(path) as one_more:
+            reply = _answer(one_more)
+        assert reply["kind"] == "ResourceExhausted", reply
+        assert f"at most {control.MAX_PER_UID} per user" in reply["error"]
+        for sock in held:
+            sock.close()
+        deadline = time.monotonic() + 30
+        while True:  # the runner sees the ends on its next turns
+            try:
+                assert control.request(path, {"op": "status"})["state"] == "running"
+                break
+            except errors.ResourceExhausted:
+                assert time.monotonic() < deadline, "closed connections still counted"
+                time.sleep(0.05)
+
+
+# The server out of descriptors, in a process of its own: it hoards every descriptor
+# its limit allows until SIGUSR1.
+SERVER_OUT_OF_FDS = """
+import asyncio, logging, os, resource, signal, sys
+from cedana_shim import log as shim_log
+from cedana_shim.slurm import control
+
+shim_log.configure(None, debug=False)
+shim_log.add_node_log(sys.argv[2])
+
+async def handle(request):
+    return {"state": "running"}
+
+async def main():
+    server = control.ControlServer(sys.argv[1], frozenset({os.getuid()}), handle)
+    await server.start()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    hoard = []
+    try:
+        while True:
+            hoard.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    freed = asyncio.Event()
+    def free():
+        for fd in hoard:
+            os.close(fd)
+        freed.set()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, free)
+    print("ready", flush=True)
+    await freed.wait()
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_out_of_descriptors_connections_are_closed_unserved_and_logged_once(
+    run_dir: str, tmp_path: Path
+) -> None:
+    """asyncio's own server logs a traceback for each retry of accept() (thousands a
+    second) and leaves the callers hanging; this one closes each waiting connection
+    with its spare descriptor, logs that in a few lines, and serves again once
+    descriptors are free."""
+    import signal
+    import subprocess
+    import sys
+
+    path = control.socket_path("42.batch", run_dir)
+    os.makedirs(run_dir)
+    log_file = tmp_path / "shim.log"
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER_OUT_OF_FDS, path, str(log_file)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "ready\n"
+        for _ in range(200):
+            with _connect(path) as sock:
+                assert sock.recv(4096) == b"", "a connection got an answer without a descriptor"
+        lines = [json.loads(x) for x in log_file.read_text().splitlines()]
+        shed = [x for x in lines if "out of file descriptors" in str(x["msg"])]
+        assert 1 <= len(shed) <= 10, [x["msg"] for x in lines][:20]
+        assert not [x for x in lines if "accept() out of system resource" in str(x["msg"])]
+
+        server.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert control.request(path, {"op": "status"}, timeout=10)["state"] == "running"
+                break
+            except errors.Unavailable:  # closed unserved: SIGUSR1 not handled yet
+                assert time.monotonic() < deadline, "still out of descriptors"
+                time.sleep(0.05)
+    finally:
+        server.kill()
+        server.wait()
