@@ -16,14 +16,13 @@ dir, so nothing partial is ever visible.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Final
 
 from cedana_shim import errors
-from cedana_shim.checkpoint.store import Adoption, Entry, Store
+from cedana_shim.checkpoint.store import Adoption, Entry, Store, fsutil
 from cedana_shim.checkpoint.store.adopt import manifest_blobs
 from cedana_shim.checkpoint.store.layout import (
     ANN_CREATED,
@@ -118,10 +117,9 @@ def check_sizes(manifest: Manifest, where: str) -> None:
 
 def _free_bytes(store: Store) -> int:
     try:
-        st = os.statvfs(store.root)
+        return fsutil.free_bytes(store.root)
     except OSError as err:
         raise errors.Internal(f"checking free space in {store.root}: {err}") from err
-    return st.f_bavail * st.f_frsize
 
 
 def _check_space(store: Store, need: int, remote: RemoteCheckpoint) -> int:

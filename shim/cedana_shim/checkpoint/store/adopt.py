@@ -35,13 +35,11 @@ import weakref
 from collections.abc import Callable
 from typing import IO, BinaryIO, Final, cast
 
-import zstandard
-
 from cedana_shim import errors
 
 from . import fsutil
 from .catalog import Catalog, manifest_state, newest_first
-from .compress import hash_fd
+from .compress import RawBound, ZstdReader, hash_fd
 from .filelist import CACHE_LIST_SUFFIX
 from .ingest import create_locked_dir
 from .layout import (
@@ -263,20 +261,18 @@ class Adoption:
         if cache is None:
             return None
         tar_digest = cache.layer.digest
+        what = f"checkpoint {self.checkpoint_id}: layer {cache.layer.name!r}: blob {tar_digest}"
         try:
             for digest in cache.unfilled():
                 cache.fill_from(digest, self._open_staged)
             fd = self._open_staged(tar_digest)
             try:
-                with os.fdopen(fd, "rb", closefd=False) as blob:
-                    reader = zstandard.ZstdDecompressor().stream_reader(blob, closefd=False)
-                    try:
-                        data = cache.finish(cast("IO[bytes]", reader))
-                    except zstandard.ZstdError as err:
-                        raise errors.DataLoss(
-                            f"checkpoint {self.checkpoint_id}: blob {tar_digest}: corrupt zstd "
-                            f"data ({err})"
-                        ) from None
+                with (
+                    os.fdopen(fd, "rb", closefd=False) as blob,
+                    ZstdReader(blob, RawBound(cache.layer.tar_raw_size, what), what) as reader,
+                ):
+                    data = cache.finish(cast("IO[bytes]", reader))
+                    reader.drain()
             finally:
                 os.close(fd)
         except OSError as err:

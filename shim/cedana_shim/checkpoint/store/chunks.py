@@ -38,7 +38,7 @@ import zstandard
 from cedana_shim import errors
 
 from . import fsutil
-from .compress import CHUNK
+from .compress import CHUNK, RawBound, ZstdReader
 from .filelist import FileList, RawFile
 from .layout import Chunk, SplitFile, check_split_file_name
 from .rawfiles import CheckingReader, TellingWriter, open_listed
@@ -310,22 +310,18 @@ def read_chunk(fd: int, chunk: Chunk, describe: str, buffers: ChunkBuffers) -> m
     try:
         # Checked first: the frame header says how much it holds.
         content_size = zstandard.get_frame_parameters(packed).content_size
-        if content_size != chunk.raw_size:
-            raise errors.DataLoss(
-                f"{describe}: its zstd frame holds {content_size} bytes, the manifest says "
-                f"{chunk.raw_size}"
-            )
-        reader = zstandard.ZstdDecompressor().stream_reader(packed)
+    except zstandard.ZstdError as err:
+        raise errors.DataLoss(f"{describe}: corrupt zstd data ({err})") from None
+    if content_size != chunk.raw_size:
+        raise errors.DataLoss(
+            f"{describe}: its zstd frame holds {content_size} bytes, the manifest says "
+            f"{chunk.raw_size}"
+        )
+    with ZstdReader(packed, RawBound(chunk.raw_size, describe), describe) as reader:
         filled = 0
         while filled < chunk.raw_size and (n := reader.readinto(raw[filled:])):
             filled += n
-        extra = reader.read(1)
-    except zstandard.ZstdError as err:
-        raise errors.DataLoss(f"{describe}: corrupt zstd data ({err})") from None
-    if filled != chunk.raw_size or extra:
-        raise errors.DataLoss(
-            f"{describe}: does not decompress to the {chunk.raw_size} bytes its frame says"
-        )
+        reader.drain()  # nothing more, and the frame's checksum
     return raw
 
 

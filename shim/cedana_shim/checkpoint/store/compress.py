@@ -8,6 +8,12 @@ Reading: blob -> sha256 -> zstd -> strict tar reader -> files. The digest is
 checked at the end of the same pass, before the caller makes anything visible
 (extraction happens in a private temp directory that is renamed into place
 only on success), so a blob is read once, not twice.
+
+Every decompression of the store (here, chunks.py, rawcache.py, adopt.py) is held
+to the raw size the checkpoint recorded for its output, by :class:`RawBound`: a
+checkpoint from a registry is untrusted, and a small blob can expand to gigabytes
+(a zstd bomb). Output past that size is refused at its first byte, before anything
+is written of it.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ if TYPE_CHECKING:
 __all__ = [
     "CHUNK",
     "LayerStream",
+    "RawBound",
     "WrittenBlob",
+    "ZstdReader",
     "compress_stream",
     "extract_tar",
     "extract_tar_zstd",
@@ -222,34 +230,108 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return zstandard.ZstdDecompressor()
 
 
+class RawBound:
+    """The raw size recorded for what a blob decompresses to, held to the byte.
+
+    A decompression counts its output here (``add``) before using it: the first
+    byte past ``size`` is DataLoss, so nothing beyond the recorded size is ever
+    written, whatever the blob expands to. ``end`` refuses output that stops short.
+    """
+
+    def __init__(self, size: int, describe: str) -> None:
+        self.size = size
+        self.count = 0
+        self._describe = describe
+
+    def room(self, want: int) -> int:
+        """How much of ``want`` to ask a decompressor for: one byte past the bound at
+        most, which is enough to tell that the output goes on."""
+        return max(0, min(want, self.size - self.count + 1))
+
+    def add(self, n: int) -> None:
+        if n > self.size - self.count:
+            raise errors.DataLoss(
+                f"{self._describe}: decompresses to more than the {self.size} bytes recorded "
+                f"for it; refused at byte {self.size + 1}, nothing past it written (the "
+                "checkpoint is damaged or forged)"
+            )
+        self.count += n
+
+    def end(self) -> None:
+        if self.count != self.size:
+            raise errors.DataLoss(
+                f"{self._describe}: decompresses to {self.count} bytes, {self.size} "
+                "recorded for it"
+            )
+
+
+class ZstdReader(io.RawIOBase):
+    """``source`` (one zstd frame) decompressed, held to ``bound`` (see RawBound);
+    DataLoss for corrupt zstd data, or output longer or shorter than the bound."""
+
+    def __init__(self, source: _Readable | Buffer, bound: RawBound, describe: str) -> None:
+        super().__init__()
+        self._zreader = _decompressor().stream_reader(
+            source,  # type: ignore[arg-type]
+            read_size=CHUNK,
+            closefd=False,
+        )
+        self.bound = bound
+        self._describe = describe
+        self._ended = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Buffer) -> int:
+        view = memoryview(b).cast("B")
+        want = self.bound.room(len(view))
+        if want == 0:
+            return 0  # an empty buffer: not the end of the stream
+        try:
+            n: int = self._zreader.readinto(view[:want])
+        except zstandard.ZstdError as err:
+            raise errors.DataLoss(f"{self._describe}: corrupt zstd data ({err})") from None
+        self.bound.add(n)
+        if n == 0 and not self._ended:
+            self._ended = True
+            self.bound.end()
+        return n
+
+    def drain(self) -> None:
+        """Read to the end (the bound's checks, the frame's checksum)."""
+        buf = bytearray(CHUNK)
+        while self.readinto(buf):
+            pass
+
+    def close(self) -> None:
+        if not self.closed:
+            self._zreader.close()  # type: ignore[no-untyped-call]
+        super().close()
+
+
 class LayerStream(io.RawIOBase):
-    """Decompressed layer bytes; raises DataLoss at EOF if the blob's digest is off.
+    """Decompressed layer bytes (``raw_size`` of them); raises DataLoss at EOF if the
+    blob's digest is off.
 
     The store verifies the blob before handing this out; checking again as it
     streams costs nothing and catches a blob changed underneath the reader.
     """
 
-    def __init__(self, fd: int, digest: str, size: int, describe: str) -> None:
+    def __init__(self, fd: int, digest: str, size: int, raw_size: int, describe: str) -> None:
         super().__init__()
         self._fd = fd
         self._expected = (digest, size)
         self._describe = describe
         self._hreader = _HashingReader(fd)
-        self._zreader = _decompressor().stream_reader(
-            self._hreader,  # type: ignore[arg-type]
-            read_size=CHUNK,
-            closefd=False,
-        )
+        self._zreader = ZstdReader(self._hreader, RawBound(raw_size, describe), describe)
         self._checked = False
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b: Buffer) -> int:
-        try:
-            n = self._zreader.readinto(b)
-        except zstandard.ZstdError as err:
-            raise errors.DataLoss(f"{self._describe}: corrupt zstd data ({err})") from None
+        n = self._zreader.readinto(b)
         if n == 0 and not self._checked:
             self._checked = True
             self._hreader.drain()
@@ -265,7 +347,7 @@ class LayerStream(io.RawIOBase):
     def close(self) -> None:
         if not self.closed:
             try:
-                self._zreader.close()  # type: ignore[no-untyped-call]
+                self._zreader.close()
             finally:
                 os.close(self._fd)
         super().close()
@@ -378,29 +460,24 @@ def extract_tar(source: _Readable, dest: str, describe: str) -> None:
         os.utime(path, (member.mtime, member.mtime))
 
 
-def extract_tar_zstd(fd: int, digest: str, size: int, dest: str, describe: str) -> None:
+def extract_tar_zstd(
+    fd: int, digest: str, size: int, raw_size: int, dest: str, describe: str
+) -> None:
     """Extract the zstd tar readable from ``fd`` (a blob) into the empty directory ``dest``.
 
-    As extract_tar, plus DataLoss for a digest or size mismatch or corrupt zstd.
+    As extract_tar, plus DataLoss for a digest or size mismatch, corrupt zstd, or a
+    tar of other than ``raw_size`` bytes (refused at the byte past it).
     """
     have = os.fstat(fd).st_size
     if have != size:
         raise errors.DataLoss(f"{describe}: blob is {have} bytes, expected {size} (truncated?)")
     hreader = _HashingReader(fd)
-    try:
-        with _decompressor().stream_reader(
-            hreader,  # type: ignore[arg-type]
-            read_size=CHUNK,
-            closefd=False,
-        ) as zreader:
-            extract_tar(cast("_Readable", zreader), dest, describe)
-            # Past the tar's end-of-archive blocks: read the rest so the zstd
-            # frame checksum and the blob digest cover every byte.
-            while zreader.read(CHUNK):
-                pass
-        hreader.drain()
-    except zstandard.ZstdError as err:
-        raise errors.DataLoss(f"{describe}: corrupt zstd data ({err})") from None
+    with ZstdReader(hreader, RawBound(raw_size, describe), describe) as zreader:
+        extract_tar(zreader, dest, describe)
+        # Past the tar's end-of-archive blocks: read the rest so the zstd
+        # frame checksum, the raw size and the blob digest cover every byte.
+        zreader.drain()
+    hreader.drain()
     if (hreader.digest(), hreader.size) != (digest, size):
         raise errors.DataLoss(
             f"{describe}: digest mismatch (blob hashes to {hreader.digest()}, "

@@ -247,6 +247,13 @@ def mkdtemp_private(parent: str, prefix: str) -> str:
 # -- sizing and removal ---------------------------------------------------------------
 
 
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem of ``path`` (the
+    root reserve is the node's own margin)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 def tree_bytes(dir_fd: int, name: str) -> int:
     """Bytes of the regular files at or under ``name``; never follows a symlink."""
     try:

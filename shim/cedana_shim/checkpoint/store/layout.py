@@ -367,6 +367,12 @@ class Manifest:
         return tuple(d.annotations[ANN_TITLE] for d in self.layers)
 
 
+def tar_raw_size(raw_size: int, split_files: Sequence[SplitFile]) -> int:
+    """What a compacted layer's own blob (its tar) decompresses to: the whole layer's
+    raw size less the files split into chunks."""
+    return raw_size - sum(f.size for f in split_files)
+
+
 @dataclass(frozen=True)
 class ConfigLayer:
     name: str
@@ -375,6 +381,10 @@ class ConfigLayer:
     size: int  # the layer's own blob (a split layer's: the tar of the files not split)
     raw_size: int  # the whole layer uncompressed (a split layer's: tar and split files)
     split_files: tuple[SplitFile, ...] = ()
+
+    @property
+    def tar_raw_size(self) -> int:
+        return tar_raw_size(self.raw_size, self.split_files)
 
 
 @dataclass(frozen=True)
@@ -683,15 +693,18 @@ def parse_config(data: bytes, where: str, ref: CheckpointRef) -> Config:
         digest = layer.get("digest")
         if not is_digest(digest):
             raise errors.DataLoss(f"{lw}: digest {digest!r} is not sha256:<64 lowercase hex>")
-        layers.append(
-            ConfigLayer(
-                _expect_str(name, f"{lw}: name"),
-                _expect_str(media_type, f"{lw}: media_type"),
-                _expect_str(digest, f"{lw}: digest"),
-                _expect_size(layer.get("size"), f"{lw}: size"),
-                _expect_size(layer.get("raw_size"), f"{lw}: raw_size"),
-                _parse_split_files(layer.get("split_files"), f"{lw}: split_files"),
-            )
+        parsed = ConfigLayer(
+            _expect_str(name, f"{lw}: name"),
+            _expect_str(media_type, f"{lw}: media_type"),
+            _expect_str(digest, f"{lw}: digest"),
+            _expect_size(layer.get("size"), f"{lw}: size"),
+            _expect_size(layer.get("raw_size"), f"{lw}: raw_size"),
+            _parse_split_files(layer.get("split_files"), f"{lw}: split_files"),
         )
+        if parsed.tar_raw_size < 0:
+            raise errors.DataLoss(
+                f"{lw}: raw_size {parsed.raw_size} is less than its split files hold"
+            )
+        layers.append(parsed)
     raw_files = _parse_raw_files(obj.get("rawFiles"), f"{where}: rawFiles")
     return Config(obj, tuple(layers), raw_files)

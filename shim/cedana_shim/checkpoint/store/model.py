@@ -8,7 +8,7 @@ from typing import Any, Final, Literal, TypeAlias
 
 from cedana_shim import errors
 
-from .layout import Chunk, SplitFile
+from .layout import Chunk, SplitFile, tar_raw_size
 
 __all__ = [
     "COMMIT_STEPS",
@@ -87,6 +87,11 @@ class LayerInfo:
     def blob_size(self) -> int:
         """Stored bytes of the layer's own blob, without its chunks."""
         return self.size - sum(c.size for c in self.chunks)
+
+    @property
+    def tar_raw_size(self) -> int:
+        """Raw bytes of the layer's own blob (its tar), without its split files."""
+        return tar_raw_size(self.raw_size, self.split_files)
 
 
 @dataclass(frozen=True)

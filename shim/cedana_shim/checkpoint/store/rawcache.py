@@ -42,7 +42,7 @@ import zstandard
 
 from cedana_shim import errors
 
-from .compress import CHUNK, member_path
+from .compress import CHUNK, RawBound, member_path
 from .filelist import FileList, RawFile, dump_file_list
 from .fsutil import sha256_bytes, write_all
 from .layout import Chunk, ConfigLayer
@@ -112,24 +112,18 @@ class _Placer:
     def __init__(self, fd: int, chunk: Chunk, describe: str) -> None:
         self._fd = fd
         self._chunk = chunk
-        self._describe = describe
-        self.written = 0
+        self.bound = RawBound(chunk.raw_size, describe)
         self.crc = 0
 
     def write(self, data: bytes) -> int:
-        n = len(data)
-        if self.written + n > self._chunk.raw_size:
-            raise errors.DataLoss(
-                f"{self._describe}: decompresses to more than its {self._chunk.raw_size} bytes"
-            )
+        offset = self._chunk.offset + self.bound.count
+        self.bound.add(len(data))  # before a byte past the chunk's end is written
         view = memoryview(data)
-        offset = self._chunk.offset + self.written
         while view:
             k = os.pwrite(self._fd, view, offset)
             view, offset = view[k:], offset + k
         self.crc = zlib.crc32(data, self.crc)
-        self.written += n
-        return n
+        return len(data)
 
 
 class ChunkSink:
@@ -163,11 +157,7 @@ class ChunkSink:
         """DataLoss unless the chunk came out whole; then it counts as filled."""
         if self._error is not None:
             raise self._error
-        if self._placer.written != self._chunk.raw_size:
-            raise errors.DataLoss(
-                f"{self._describe}: decompresses to {self._placer.written} bytes, the manifest "
-                f"says {self._chunk.raw_size}"
-            )
+        self._placer.bound.end()
         self._builder._filled(self._chunk, self._placer.crc)
 
 

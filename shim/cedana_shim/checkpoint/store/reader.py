@@ -191,6 +191,13 @@ class Reader(Catalog):
         tmp: str | None = None
         try:
             os.makedirs(parent, mode=0o700, exist_ok=True)
+            # Known before a byte is written (and nothing past it is: compress.RawBound).
+            if layer.raw_size > (free := fsutil.free_bytes(parent)):
+                raise errors.ResourceExhausted(
+                    f"extracting checkpoint {entry.id} layer {name!r} needs {layer.raw_size} "
+                    f"bytes in {parent}, which has {free} free; nothing was extracted. Free "
+                    "space there and retry"
+                )
             tmp = fsutil.mkdtemp_private(parent, f".{os.path.basename(dest)}.extract-")
             if current.state == "raw":
                 self._extract_raw(current, name, tmp)
@@ -215,7 +222,9 @@ class Reader(Catalog):
         describe = f"checkpoint {entry.id}: layer {layer.name!r} ({self._blob_path(layer.digest)})"
         fd = self._open_blob(layer.digest, describe)
         try:
-            extract_tar_zstd(fd, layer.digest, layer.blob_size, dest, describe)
+            extract_tar_zstd(
+                fd, layer.digest, layer.blob_size, layer.tar_raw_size, dest, describe
+            )
         finally:
             os.close(fd)
         if not layer.split_files:
@@ -345,7 +354,7 @@ class Reader(Catalog):
                     f"{describe}: blob is corrupt (sha256 is {digest}, expected {layer.digest})"
                 )
             os.lseek(fd, 0, os.SEEK_SET)
-            raw = LayerStream(fd, layer.digest, layer.blob_size, describe)
+            raw = LayerStream(fd, layer.digest, layer.blob_size, layer.tar_raw_size, describe)
         except BaseException:
             os.close(fd)
             raise
