@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from cedana_shim.slurm.job_spec import checkpoint_obstacle
+from cedana_shim.slurm.runner import scope_name
 
 from .harness.config import SHIM_BIN_DIR
 from .harness.slurm import (
@@ -256,7 +257,7 @@ def test_a_job_requeued_onto_another_node_resumes_through_a_shared_directory(
     cluster.wait_state(job_id, "PENDING", timeout=cluster.kill_wait + 60)
     before = max(counters(cluster.output("moved.out")))
     (checkpoint,) = protected.checkpoints("root", "moved")
-    tags = os.listdir(shared / f"slurm-{CLUSTER_NAME}-root" / "tags")
+    tags = os.listdir(shared / scope_name(CLUSTER_NAME, "root") / "tags")
     # Pushed before the exit (registry_sync = before-exit): the tag, its marker gone.
     (tag,) = tags
     assert str(checkpoint["id"]).rsplit("-", 1)[1] in tag and not tag.endswith(".pending")

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import os
 import pwd
+import string
 import subprocess
 import sys
 
 import pytest
 from cedana_shim.errors import InvalidArgument
 from cedana_shim.slurm import task_link
-from cedana_shim.slurm.runner import EXIT_RUNNER_FAILED, job_scope, parse_request
+from cedana_shim.slurm.runner import EXIT_RUNNER_FAILED, job_scope, parse_request, scope_name
+from hypothesis import given
+from hypothesis import strategies as st
 
 ARGV = ["--job-id", "42", "--step-id", "batch", "--uid", "1000", "--gid", "100"]
 RUNNER = "import sys; from cedana_shim.cli.slurm_task import main; sys.exit(main())"
@@ -63,6 +66,42 @@ def test_scope_is_the_cluster_and_the_user_of_the_uid() -> None:
         job_scope("", os.getuid())
     with pytest.raises(InvalidArgument, match="cluster name"):
         job_scope("a/b", os.getuid())
+
+
+NAMES = st.text(alphabet=string.ascii_letters + string.digits + "._-", min_size=1, max_size=64)
+
+
+def test_the_reviews_colliding_pairs_get_scopes_of_their_own() -> None:
+    assert scope_name("hpc", "lab-x") == "slurm-hpc-lab-x"  # as before: no '-' in "hpc"
+    assert scope_name("hpc-lab", "x") == "slurm--7-hpc-lab-x"
+
+
+@given(NAMES, NAMES, NAMES, NAMES)
+def test_distinct_clusters_and_users_never_share_a_scope(
+    c1: str, u1: str, c2: str, u2: str
+) -> None:
+    if (c1, u1) != (c2, u2):
+        assert scope_name(c1, u1) != scope_name(c2, u2)
+
+
+@given(NAMES, NAMES)
+def test_a_pair_shares_no_scope_with_a_near_miss(cluster: str, user: str) -> None:
+    """Hypothesis rarely draws two colliding pairs at random: these are the ones a
+    '-' makes, the cluster's tail moved into the user and back."""
+    scope = scope_name(cluster, user)
+    for cut in range(1, len(cluster)):
+        if cluster[cut] == "-" and cut + 1 < len(cluster):
+            assert scope_name(cluster[:cut], cluster[cut + 1 :] + "-" + user) != scope
+    for cut in range(1, len(user)):
+        if user[cut] == "-" and cut + 1 < len(user):
+            assert scope_name(cluster + "-" + user[:cut], user[cut + 1 :]) != scope
+
+
+@given(NAMES.filter(lambda c: "-" not in c), NAMES)
+def test_a_cluster_name_without_a_dash_keeps_the_scope_stored_checkpoints_have(
+    cluster: str, user: str
+) -> None:
+    assert scope_name(cluster, user) == f"slurm-{cluster}-{user}"
 
 
 def run_runner(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:

@@ -152,18 +152,35 @@ def _read_env(fd: int) -> dict[str, str]:
 
 
 def job_scope(cluster: str, uid: int) -> str:
-    """``slurm-<cluster>-<user>``: labels are the user's own on this cluster. The user
-    comes from the uid Slurm runs the job as, never from a variable the user sets."""
+    """The scope of the job's labels (:func:`scope_name`): the user's own on this
+    cluster. The user comes from the uid Slurm runs the job as, never from a variable
+    the user sets."""
     try:
         user = pwd.getpwuid(uid).pw_name
     except KeyError:
         user = f"uid{uid}"
+    return scope_name(cluster, user)
+
+
+def scope_name(cluster: str, user: str) -> str:
+    """``slurm-<cluster>-<user>``, or ``slurm--<n>-<cluster>-<user>`` (n: the cluster
+    name's length) for a cluster name with a '-' in it; one scope per (cluster, user).
+
+    The first form alone is ambiguous: ``hpc`` + ``lab-x`` and ``hpc-lab`` + ``x`` are
+    both ``slurm-hpc-lab-x``. Without a '-' in the cluster name, the first '-' after
+    ``slurm-`` ends it, so that form stays as it was (the checkpoints already stored
+    keep their scope); the other starts ``slurm--``, which the first never does (a
+    cluster name is not empty), and its length says where the cluster name ends.
+    Both stay a DNS label, as a registry repository needs, when the names are.
+    """
     for what, value in (("cluster name (SLURM_CLUSTER_NAME)", cluster), ("user name", user)):
         if not _NAME.fullmatch(value):
             raise InvalidArgument(
                 f"{what} {value!r} cannot name a checkpoint scope: use 1-64 letters, "
                 "digits, '.', '_' or '-'"
             )
+    if "-" in cluster:
+        return f"slurm--{len(cluster)}-{cluster}-{user}"
     return f"slurm-{cluster}-{user}"
 
 
@@ -283,4 +300,5 @@ __all__ = [
     "read_request",
     "run_keeper",
     "run_unprotected",
+    "scope_name",
 ]

@@ -1,17 +1,25 @@
 """Protected Slurm jobs for the tests: a node installed with the real runner and a
-private store (:class:`Protected`), and what a job may leave behind once it ended
-(:func:`job_leftovers`)."""
+private store (:class:`Protected`), what a job may leave behind once it ended
+(:func:`job_leftovers`), and what another user on the node may do to its runner
+(:class:`Stranger`, :func:`squeeze_descriptors`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from cedana_shim.slurm.control import RUN_DIR, socket_path
+from cedana_shim.slurm.control import RUN_DIR, request, socket_path
+from cedana_shim.slurm.runner import scope_name
 
 from .config import SHIM_BIN_DIR
-from .slurm import CLUSTER_NAME, SlurmCluster, cedana, counter_script, counters
+from .slurm import CLUSTER_NAME, SlurmCluster, User, cedana, counter_script, counters
 from .util import wait_for
 
 RUNNER = SHIM_BIN_DIR / "cedana-slurm-task"
@@ -55,7 +63,7 @@ class Protected:
         assert done.returncode == 0, done.stderr
 
     def checkpoints(self, user: str, label: str) -> list[dict[str, object]]:
-        scope = f"slurm-{CLUSTER_NAME}-{user}"
+        scope = scope_name(CLUSTER_NAME, user)
         done = cedana(
             "checkpoints", "list", "--store", str(self.store), "--json",
             "--namespace", scope, "--label", label,
@@ -166,3 +174,83 @@ def wait_nothing_left(job_id: int, timeout: float = 30) -> None:
         wait_for(gone, timeout=timeout, interval=0.3, what=f"job {job_id} to leave nothing")
     except AssertionError:
         raise AssertionError(f"job {job_id} left: {left}") from None
+
+
+def keeper_pid(job_id: int, step: str = "batch") -> int:
+    """The pid of the job step's keeper, as its runner says (root may ask)."""
+    pid: int = request(socket_path(f"{job_id}.{step}"), {"op": "status"}, timeout=30)["runner_pid"]
+    return pid
+
+
+def squeeze_descriptors(pid: int) -> int:
+    """Lower the open-files limit of process ``pid`` (soft and hard) to its lowest free
+    descriptor number: from now on it can open no descriptor, nor raise the limit
+    again without CAP_SYS_RESOURCE, and its children start with that limit too.
+    Returns the limit."""
+    used = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+    lowest = min(set(range(len(used) + 1)) - used)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest, lowest))
+    return lowest
+
+
+# What the review's attacker did, as another user: COUNT idle connections (one byte
+# each, no newline) to a job's control socket, held until killed. Prints one JSON line
+# once every connection was answered or closed by the runner, or after 15 s.
+ATTACKER = """
+import json, select, socket, sys, time
+path, count = sys.argv[1], int(sys.argv[2])
+held, deadline = {}, time.monotonic() + 30
+while len(held) < count and time.monotonic() < deadline:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.setblocking(False)
+    try:
+        sock.connect(path)
+    except BlockingIOError:  # a full backlog: the runner has not taken them yet
+        sock.close()
+        time.sleep(0.01)
+        continue
+    try:
+        sock.send(b"x")
+    except OSError:
+        pass  # refused and closed already
+    held[sock.fileno()] = sock
+refusals, closed = [], 0
+poll = select.poll()
+for fd in held:
+    poll.register(fd, select.POLLIN)
+deadline = time.monotonic() + 15
+while len(refusals) + closed < len(held) and time.monotonic() < deadline:
+    for fd, _ in poll.poll(200):
+        poll.unregister(fd)
+        try:
+            data = held[fd].recv(4096)
+        except OSError:
+            data = b""
+        if data.endswith(b"\\n"):
+            refusals.append(json.loads(data))
+        else:
+            closed += 1
+print(json.dumps({"connected": len(held), "refused": len(refusals), "closed": closed,
+                  "first": refusals[0].get("error", "") if refusals else ""}), flush=True)
+time.sleep(3600)
+"""
+
+
+@contextmanager
+def stranger(user: User, path: str, count: int) -> Iterator[dict[str, Any]]:
+    """``user`` attacks the control socket ``path`` with ``count`` idle connections
+    (see ATTACKER) for as long as the block runs; yields the attacker's report."""
+    attacker = subprocess.Popen(
+        ["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups",
+         sys.executable, "-c", ATTACKER, path, str(count)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert attacker.stdout is not None
+        line = attacker.stdout.readline()
+        assert line, f"the attacker ended without a report (exit {attacker.wait()})"
+        report: dict[str, Any] = json.loads(line)
+        yield report
+    finally:
+        attacker.kill()
+        attacker.wait()
