@@ -807,7 +807,7 @@ def test_sigkill_wins_over_a_restore_in_progress(
     """A restore that takes long (a big checkpoint; here CRIU is held with SIGSTOP) must
     not make the container unkillable: `ctr task kill -s SIGKILL` (kubelet's StopPodSandbox
     does the same) returns promptly and the task ends, instead of waiting for the restore
-    (up to restore_timeout, 10 minutes by default)."""
+    (up to restore_timeout, 10 minutes by default), and no cgroup of it is left behind."""
     c = fresh_containerd
     with (
         EventStream(c.socket) as events,
@@ -835,6 +835,14 @@ def test_sigkill_wins_over_a_restore_in_progress(
             kill_all(criu, signal.SIGSTOP)
             held = criu | _restoring_criu(cid)
             kill_all(held, signal.SIGSTOP)
+            spec = json.loads((c.bundle(CTR_NAMESPACE, cid) / "config.json").read_text())
+            cgroups_path = spec["linux"]["cgroupsPath"]
+            # runc makes them once CRIU has started (it moves CRIU into them).
+            wait_for(
+                lambda: procs.container_cgroups(cgroups_path),
+                timeout=10,
+                what="runc restore to make the container's cgroups",
+            )
             started = time.monotonic()
             try:
                 tasks.kill(cid, signal.SIGKILL, timeout=10)
@@ -851,6 +859,9 @@ def test_sigkill_wins_over_a_restore_in_progress(
         )
         exited = events.wait_topic(TOPIC_EXIT, cid, timeout=30)
         assert exited.field("exit_status") == 137, exited
+        # The abandoned restore's runc never wrote its state: `runc delete` knew nothing
+        # of the cgroups it made, the shim removed them before it reported the exit.
+        assert not procs.container_cgroups(cgroups_path), "the abandoned restore's cgroups"
         run.communicate(timeout=30)
         assert not events.of(TOPIC_COMMITTED, cid)
         assert _ids(c, w.label) == [good.checkpoint_id]

@@ -2,7 +2,8 @@
 
 - a shim daemon SIGKILLed while it restores a container: containerd's `delete` stops the
   restore (runc, CRIU, its scripts, and the tasks CRIU already restored), so nothing of
-  the container runs on outside containerd, and no `criu-root` mount is left behind;
+  the container runs on outside containerd, and no `criu-root` mount nor any cgroup
+  runc made for it is left behind;
 - twenty containers started and stopped (one of them with its daemon SIGKILLed) leave
   the shim's run dir with exactly one fork server socket and no daemon socket, and `ps`
   names the fork server and the daemons for what they are.
@@ -102,7 +103,8 @@ def test_a_shim_killed_while_it_restores_leaves_nothing_running(
     """Before: `runc delete` in containerd's `delete` found no container (runc writes its
     state at the end of a restore), nothing was stopped, and runc and CRIU went on to
     run the container outside containerd; held at post-restore by the gate, the tasks
-    waited far beyond restore_timeout, with `criu-root` still mounted."""
+    waited far beyond restore_timeout, with `criu-root` still mounted; and the container's
+    (empty) cgroup stayed in every controller."""
     c = fresh_containerd
     hold = criu_hold(c, stage, {"CEDANA_RESTORE_TIMEOUT": str(RESTORE_TIMEOUT)})
     script = counter_script()
@@ -159,6 +161,9 @@ def test_a_shim_killed_while_it_restores_leaves_nothing_running(
         )
         wait_for(lambda: not procs.mounts_under(bundle), timeout=10, what=f"{bundle} unmounted")
         assert not _cgroup_procs(cgroups_path)
+        # runc restore made the container's cgroup in every controller; runc never wrote
+        # its state, so `runc delete` did not remove them: the dead shim's delete does.
+        assert not procs.container_cgroups(cgroups_path), "the killed restore's cgroups were left"
         assert _runc_status(cid) in (None, "stopped")
         assert not procs.mounts_under(criu_root)
         assert not _gates(c)

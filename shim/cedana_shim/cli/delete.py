@@ -15,7 +15,9 @@ death alone leaves behind (:mod:`cedana_shim.runtime.pgroup`). For a lazy
 restore the recorded group is CRIU's lazy-pages daemon, still bringing the
 restored tasks' memory in: it is frozen and the tasks killed before it dies
 (:mod:`cedana_shim.runtime.lazy_pages`). Then the rootfs runc bound for CRIU is
-unmounted, and only then does ``runc delete`` remove runc's state dir.
+unmounted, and only then does ``runc delete`` remove runc's state dir. A restore
+killed before runc wrote its state leaves the container's cgroups, which runc made
+first, and which ``runc delete`` does not know of: they are removed once empty.
 """
 
 from __future__ import annotations
@@ -126,12 +128,13 @@ def _read_pid(bundle: str) -> int:
         return 0
 
 
-def _stop_criu(state: BundleState, bundle: str, container_id: str) -> None:
+def _stop_criu(state: BundleState, bundle: str, container_id: str) -> bool:
     """Kill the ``runc restore`` or ``runc checkpoint`` a dead daemon left running, or
-    the lazy-pages daemon of a lazy restore (which that group is then)."""
+    the lazy-pages daemon of a lazy restore (which that group is then); whether one
+    was recorded."""
     record = read_criu_group(bundle)
     if record is None:
-        return
+        return False
     from ..runtime.pgroup import is_same_group, kill_criu_group
 
     pgid, leader_start, lazy = record
@@ -142,12 +145,30 @@ def _stop_criu(state: BundleState, bundle: str, container_id: str) -> None:
         _kill_tasks_first(state, pgid, container_id)
     if kill_criu_group(pgid, leader_start, CRIU_KILL_TIMEOUT):
         clear_criu_group(bundle)
-        return
+        return True
     sys.stderr.write(
         f"container {container_id}: the runc/CRIU process group {pgid} still runs "
         f"{CRIU_KILL_TIMEOUT:g}s after SIGKILL (stuck in the kernel?); see `pgrep -a -g "
         f"{pgid}`, and once it is gone run `runc delete --force {container_id}`\n"
     )
+    return True
+
+
+def _remove_cgroups(bundle: str, container_id: str) -> None:
+    """The cgroups a killed ``runc restore`` made (see the module's docstring)."""
+    import json
+
+    from ..task.cgroups import remove_cgroup
+
+    try:
+        with open(os.path.join(bundle, "config.json"), "rb") as f:
+            path = (json.load(f).get("linux") or {}).get("cgroupsPath")
+        left = remove_cgroup(path) if isinstance(path, str) else []
+    except (OSError, ValueError, AttributeError) as err:
+        sys.stderr.write(f"container {container_id}: cannot remove its cgroups: {err!r}\n")
+        return
+    if left:
+        sys.stderr.write(f"container {container_id}: cgroups still in use, left: {left}\n")
 
 
 def _kill_tasks_first(state: BundleState, pgid: int, container_id: str) -> None:
@@ -227,13 +248,15 @@ def run_delete(args: ShimArgs) -> int:
         sys.stdout.flush()
         return 0
     state = BundleState.load(bundle, args.namespace)
-    _stop_criu(state, bundle, args.id)
+    stopped = _stop_criu(state, bundle, args.id)
     _finish_stop(state, bundle, args.id)
     # Before runc delete, which removes runc's state dir, through any mount in it.
     _unmount([criu_root(state.runc_root, args.id)], args.id)
     problem = _runc_delete(state, args.id)
     if problem:
         sys.stderr.write(f"runc delete of container {args.id}: {problem}\n")
+    if stopped:
+        _remove_cgroups(bundle, args.id)
     # The rootfs, and anything a killed CRIU left mounted in the work dir.
     _unmount(
         [os.path.join(bundle, "rootfs"), os.path.realpath(os.path.join(bundle, "work"))], args.id

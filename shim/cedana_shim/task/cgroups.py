@@ -9,11 +9,16 @@ whose root is a sub-cgroup, as inside a container) map to the right directory.
 A node is treated as cgroup v1 when the process belongs to at least one mounted v1
 hierarchy with a real controller (legacy and hybrid nodes, like containerd's
 ``cgroups.Mode() != Unified``); otherwise as cgroup v2.
+
+:func:`remove_cgroup` removes a container's empty cgroup from every hierarchy, as
+``runc delete`` would: after a ``runc restore`` killed before it wrote its state
+(runc made the cgroups first), ``runc delete`` finds no container and leaves them.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import posixpath
 import re
 import types
@@ -27,9 +32,11 @@ __all__ = [
     "Cgroup",
     "CgroupLine",
     "Mount",
+    "cgroup_dirs",
     "load_cgroup",
     "parse_mountinfo",
     "parse_proc_cgroup",
+    "remove_cgroup",
     "resolve_cgroup",
 ]
 
@@ -240,3 +247,58 @@ def load_cgroup(pid: int, *, proc: str = "/proc") -> Cgroup:
     with open(posixpath.join(proc, "self", "mountinfo"), encoding="utf-8") as f:
         mountinfo = f.read()
     return resolve_cgroup(proc_cgroup, mountinfo)
+
+
+def cgroup_dirs(path: str, mountinfo: str) -> list[str]:
+    """The directories of hierarchy path ``path`` in every mounted hierarchy (one per
+    v1 hierarchy, the unified one), whether they exist or not; each strictly below the
+    mount point that shows it."""
+    hierarchies: dict[tuple[str, frozenset[str]], list[Mount]] = {}
+    for mount in parse_mountinfo(mountinfo):
+        # The same hierarchy mounted twice shows the same super options.
+        hierarchies.setdefault((mount.fstype, mount.super_options), []).append(mount)
+    found: set[str] = set()
+    for mounts in hierarchies.values():
+        directory = _locate(path, mounts)
+        if directory is not None and any(_below(directory, m.mount_point) for m in mounts):
+            found.add(directory)
+    return sorted(found)
+
+
+def _below(directory: str, mount_point: str) -> bool:
+    directory, mount_point = posixpath.normpath(directory), posixpath.normpath(mount_point)
+    return directory != mount_point and posixpath.commonpath([directory, mount_point]) == (
+        mount_point
+    )
+
+
+def remove_cgroup(cgroups_path: str, *, proc: str = "/proc") -> list[str]:
+    """Remove the cgroup of an OCI ``linux.cgroupsPath`` (the cgroupfs driver's, an
+    absolute hierarchy path) and the cgroups below it, deepest first, where they are
+    empty, in every hierarchy; the directories left (a process still in them).
+
+    Only a path naming a cgroup below a hierarchy's root is acted on: a relative one
+    (runc's is relative to its own cgroup), one with ``..`` and a systemd driver's
+    ``slice:prefix:name`` are left alone (systemd removes the cgroup of a scope whose
+    processes are all gone). Nothing outside the cgroup filesystem is touched."""
+    parts = [part for part in cgroups_path.split("/") if part not in ("", ".")]
+    if not cgroups_path.startswith("/") or not parts or ".." in parts:
+        return []
+    with open(posixpath.join(proc, "self", "mountinfo"), encoding="utf-8") as f:
+        mountinfo = f.read()
+    left: list[str] = []
+    for top in cgroup_dirs("/" + "/".join(parts), mountinfo):
+        try:
+            device = os.stat(posixpath.dirname(top)).st_dev
+        except FileNotFoundError:
+            continue
+        for directory, _, _ in os.walk(top, topdown=False):
+            try:
+                if os.stat(directory).st_dev != device:
+                    continue  # a mount below the cgroup: not a cgroup of it
+                os.rmdir(directory)
+            except FileNotFoundError:
+                pass
+            except OSError:  # EBUSY: a process (or a cgroup that could not go) inside
+                left.append(directory)
+    return left

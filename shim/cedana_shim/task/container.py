@@ -50,7 +50,7 @@ from ..runtime.runc import (
     Stdio,
     read_pid_file,
 )
-from .cgroups import Cgroup, load_cgroup
+from .cgroups import Cgroup, load_cgroup, remove_cgroup
 from .checkpointing import Checkpointing
 from .execs import IO_DRAIN_TIMEOUT, Execs
 from .launch import RuncCall, run_with_stdio
@@ -316,6 +316,12 @@ class Container:
             await self.runc.kill(self.id, signal.SIGKILL, all=True)
         with contextlib.suppress(ShimError, OSError):
             await self.runc.delete(self.id, force=True)
+        # A runc restore killed before it wrote its state (a Kill, restore_timeout) left
+        # the cgroups it made, unknown to runc delete.
+        path = str((self.spec.get("linux") or {}).get("cgroupsPath") or "")
+        with contextlib.suppress(OSError):
+            if left := await asyncio.to_thread(remove_cgroup, path):
+                log.warning("cgroups left in use", extra={"container": self.id, "left": left})
 
     async def reset_rootfs(self) -> None:
         if not self.rootfs_mounted:
@@ -517,6 +523,20 @@ class Container:
     async def kill_all(self) -> None:
         with contextlib.suppress(NotFound):
             await self.runc.kill(self.id, signal.SIGKILL, all=True)
+
+    async def drain_output(self, process: Process) -> None:
+        """Copy out what ``process`` wrote before its exit is known (bounded): a client
+        closes its FIFOs once it learns of the exit (ctr's task Delete does), and
+        output still in our pipes then is lost."""
+        try:
+            io = self.io if process.is_init else self.execs.get(process.exec_id).io
+        except NotFound:
+            return
+        if io is not None and not await asyncio.to_thread(io.wait, IO_DRAIN_TIMEOUT):
+            log.warning(
+                "exit reported with output still being copied (the pipe is held open)",
+                extra={"container": self.id, "exec": process.exec_id, "waited": IO_DRAIN_TIMEOUT},
+            )
 
     # -- delete ----------------------------------------------------------------------
 

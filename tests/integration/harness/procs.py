@@ -210,6 +210,14 @@ def cgroup_dir(pid: int, controller: str) -> Path:
     raise LookupError(f"pid {pid} has no {controller} cgroup")
 
 
+def container_cgroups(cgroups_path: str) -> list[Path]:
+    """The cgroup directories of an OCI `linux.cgroupsPath` that exist: one per v1
+    controller, or the unified one."""
+    inner = cgroups_path.strip("/")
+    found = [*Path("/sys/fs/cgroup").glob(f"*/{inner}"), Path("/sys/fs/cgroup", inner)]
+    return sorted(path for path in found if path.is_dir())
+
+
 def read_int(path: Path) -> int:
     return int(path.read_text().strip())
 
