@@ -31,8 +31,10 @@ import errno
 import io
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import tarfile
 import time
@@ -43,6 +45,7 @@ from pathlib import Path
 import pytest
 from cedana_shim.checkpoint.store import Entry
 from cedana_shim.checkpoint.store.layout import RESERVED_METADATA_KEYS
+from support.capabilities import OTHER_UID, prlimit_of_another_user_works
 
 from .harness import procs
 from .harness.config import CTR_NAMESPACE, SHIM_BIN_DIR
@@ -84,6 +87,7 @@ from .harness.cr_support import (
     wait_ticks,
 )
 from .harness.cr_tasks import TaskKiller
+from .harness.fixtures import build_static
 from .harness.util import wait_for
 
 NewId = Callable[[str], str]
@@ -701,6 +705,207 @@ def test_shim_survives_many_checkpoints(fresh_containerd: Containerd, new_id: Ne
         wait_ticks(box.lines, count=len(before.values) + 3)
         assert _ids(c, w.label) == list(reversed(ids[-3:])), "retention keeps the newest 3"
         store_is_sound(c.store)
+
+
+# -- what CRIU cannot dump, said before the freeze; why a dump failed, said after it ----------
+
+
+@pytest.fixture(scope="module")
+def fixture_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fixtures")
+    build_static("io_uring_sleep", out)
+    build_static("unix_ticker", out)
+    return out
+
+
+def _failed_record(c: Containerd, cid: str) -> dict[str, object]:
+    """The failure record the shim left for the node agent (none runs here)."""
+    records: list[dict[str, object]] = [
+        json.loads(path.read_text()) for path in sorted((c.store / "ops").glob("*.json"))
+    ]
+    (record,) = [r for r in records if (r["container_id"], r["kind"]) == (cid, "checkpoint")]
+    assert record["outcome"] == "failed", record
+    return record
+
+
+def _runc_calls(log: ShimLog, cid: str) -> list[str]:
+    return [str(r.get("runc_verb")) for r in log.records() if r.get("container_id") == cid]
+
+
+def _refused_stop(c: Containerd, w: Workloads, box: Box, log: ShimLog, events: EventStream) -> str:
+    """SIGTERM to a container whose checkpoint the shim refuses before the freeze: the
+    refusal is the error of the event, the log line and the failure record, nothing was
+    paused or dumped, and the signal was delivered (exit 143 from the workload's own
+    handler). The error."""
+    w.ctr("task", "kill", "-s", "SIGTERM", box.cid)
+    failed = events.wait_topic(TOPIC_FAILED, box.cid, timeout=30)
+    error = str(failed.field("error"))
+    assert failed.field("reason") == "stop"
+    assert error.startswith(
+        f"checkpoint of container {box.cid} refused, nothing was frozen: its process "
+    ), error
+    assert log.wait("checkpoint failed", container=box.cid)["error"] == error
+    exited = events.wait_topic(TOPIC_EXIT, box.cid, timeout=30)
+    assert exited.field("exit_status") == 143, exited
+    wait_for(lambda: "got-TERM" in box.lines(), timeout=10, what="the workload's TERM handler")
+    calls = _runc_calls(log, box.cid)
+    assert "pause" not in calls and "checkpoint" not in calls, calls
+    assert not log.find("criu failed", container=box.cid)
+    assert _failed_record(c, box.cid)["detail"] == error
+    assert not events.of(TOPIC_COMMITTED, box.cid)
+    return error
+
+
+def _status(pid: int, key: str) -> list[str]:
+    """A field of /proc/<pid>/status; [] once the process is gone."""
+    with contextlib.suppress(FileNotFoundError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return line.split()[1:]
+    return []
+
+
+def test_a_process_of_another_user_is_refused_at_once_without_cap_sys_resource(
+    containerd: Containerd, new_id: NewId
+) -> None:
+    """A root init with a child running as uid 1000 (a database or web server dropping
+    root). Where root may not read another user's resource limits (no CAP_SYS_RESOURCE
+    in the bounding set, as on the machines this project is tested on) CRIU would fail
+    with "Can't get rlimit 0: Operation not permitted" after the freeze: the stop fails
+    at once instead, naming the process and the capability, and the SIGTERM is
+    delivered. Where root may, the same container is checkpointed as any other."""
+    c = containerd
+    log = ShimLog(c)
+    script = (
+        "trap 'echo got-TERM; exit 143' TERM\n"
+        f"echo 'app:x:{OTHER_UID}:{OTHER_UID}::/:/bin/sh' >> /etc/passwd\n"
+        f"echo 'app:x:{OTHER_UID}:' >> /etc/group\n"
+        "su app -c 'exec sleep 2147483647' &\n"
+        "while :; do echo tick; sleep 0.2; done\n"
+    )
+    with (
+        EventStream(c.socket) as events,
+        Workloads(
+            c, new_id, label=unique_label("otheruser"), script=script, namespace=CTR_NAMESPACE
+        ) as w,
+    ):
+        box = w.start("a")
+        wait_for(lambda: "tick" in box.lines(), timeout=20, what="the workload to run")
+        init, uid = w.pid(box), str(OTHER_UID)
+        (user,) = wait_for(
+            lambda: [p for p in procs.descendants({init}) if _status(p, "Uid")[:1] == [uid]],
+            timeout=10,
+            what="the uid 1000 child",
+        )
+        if prlimit_of_another_user_works():
+            w.ctr("task", "kill", "-s", "SIGTERM", box.cid)
+            events.wait_commit(box.cid, timeout=COMMIT_TIMEOUT)
+            assert events.wait_topic(TOPIC_EXIT, box.cid, timeout=30).field("exit_status") == 143
+            assert "got-TERM" not in box.lines()
+            return
+        inside = _status(user, "NSpid")[-1]
+        error = _refused_stop(c, w, box, log, events)
+        assert error.startswith(
+            f"checkpoint of container {box.cid} refused, nothing was frozen: its process "
+            f"{user} (sleep, pid {inside} in the container) runs as uid 1000, gid 1000, "
+        ), error
+        assert "CAP_SYS_RESOURCE" in error and "bounding set" in error, error
+
+
+def test_a_process_with_an_io_uring_is_refused_at_once(
+    containerd: Containerd, new_id: NewId, fixture_bin: Path
+) -> None:
+    """CRIU cannot dump io_uring (it fails deep in the dump, after the freeze, with
+    "send_fds failed"): a container whose init set up a ring fails its stop at once,
+    naming the process, and gets its SIGTERM."""
+    assert Path("/proc/sys/kernel/io_uring_disabled").read_text().strip() == "0", (
+        "io_uring is disabled on this kernel (kernel.io_uring_disabled): this test needs it"
+    )
+    c = containerd
+    log = ShimLog(c)
+    mount = f"type=bind,src={fixture_bin / 'io_uring_sleep'},dst=/io_uring_sleep,options=rbind:ro"
+    with (
+        EventStream(c.socket) as events,
+        Workloads(
+            c, new_id, label=unique_label("uring"), script="exec /io_uring_sleep",
+            namespace=CTR_NAMESPACE,
+        ) as w,
+    ):  # fmt: skip
+        box = w.start("a", extra=("--mount", mount))
+        ring = wait_for(
+            lambda: next((line for line in box.lines() if line.startswith("ring ")), None),
+            timeout=20,
+            what="the ring",
+        )
+        init = w.pid(box)
+        error = _refused_stop(c, w, box, log, events)
+        assert error.startswith(
+            f"checkpoint of container {box.cid} refused, nothing was frozen: its process "
+            f"{init} (io_uring_sleep, pid 1 in the container) has an io_uring instance "
+            f"(fd {ring.split()[1]}), and CRIU cannot checkpoint io_uring; "
+        ), error
+
+
+def test_a_failed_dump_says_criu_s_reason_and_keeps_its_log(
+    containerd: Containerd, new_id: NewId, fixture_bin: Path, tmp_path: Path
+) -> None:
+    """A dump CRIU fails (one end of a unix stream connection whose other end is outside
+    the container), asked for with `cedana checkpoint`: the CLI, the event, the
+    "checkpoint failed" line and the failure record all carry CRIU's first error line
+    (not runc's "criu failed: type NOTIFY errno 0", nor the error CRIU logs about its own
+    fd limit without CAP_SYS_RESOURCE), and name a copy of CRIU's log in the store that
+    is still there once the container is deleted."""
+    c = containerd
+    log = ShimLog(c)
+    shared = tmp_path / "ext"
+    shared.mkdir()
+    mounts = (
+        "--mount", f"type=bind,src={fixture_bin / 'unix_ticker'},dst=/ticker,options=rbind:ro",
+        "--mount", f"type=bind,src={shared},dst={shared},options=rbind:rw",
+    )  # fmt: skip
+    script = counter_script(extra=f"/ticker stream {shared}/stream &\n")
+    with (
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server,
+        EventStream(c.socket) as events,
+        Workloads(
+            c, new_id, label=unique_label("criureason"), script=script, namespace=CTR_NAMESPACE
+        ) as w,
+    ):
+        server.bind(str(shared / "stream"))
+        server.listen(1)
+        box = w.start("a", extra=mounts)
+        conn, _ = server.accept()
+        with conn:
+            wait_ticks(box.lines, count=2)
+            out = subprocess.run(
+                [
+                    str(SHIM_BIN_DIR / "cedana"), "checkpoint", box.cid, "--namespace",
+                    CTR_NAMESPACE, "--containerd-state", str(c.state),
+                ],
+                capture_output=True, text=True, timeout=120, check=False,
+            )  # fmt: skip
+            assert out.returncode != 0, (out.stdout, out.stderr)
+            failed = events.wait_topic(TOPIC_FAILED, box.cid, timeout=30)
+            error = str(failed.field("error"))
+            reason = re.search(r"criu: (Error \(.*); criu log: (\S+)$", error)
+            assert reason, error
+            assert "Can't dump half of stream unix connection" in reason.group(1), error
+            assert "NOTIFY" not in error and "RLIMIT_NOFILE" not in error, error
+            assert error in out.stderr, out.stderr
+            assert log.wait("checkpoint failed", container=box.cid)["error"] == error
+            assert _failed_record(c, box.cid)["detail"] == error
+            kept = Path(reason.group(2))
+            assert kept.parent == c.store / "ops" / "criu-logs", kept
+            assert 0 < kept.stat().st_size <= 64 << 10
+            assert reason.group(1) in kept.read_text()
+            # A stop asked for by the CLI that fails leaves the container running.
+            task = w.ctr.task(box.cid)
+            assert task is not None and task.status == "RUNNING", task
+        w.ctr("task", "kill", "-s", "SIGKILL", box.cid)
+        events.wait_topic(TOPIC_EXIT, box.cid, timeout=30)
+        w.delete(box)
+        assert not c.bundle(CTR_NAMESPACE, box.cid).exists()
+        assert reason.group(1) in kept.read_text(), "the kept log went with the container"
 
 
 # -- a checkpoint that verifies but does not restore -----------------------------------------

@@ -2,14 +2,12 @@
 
 import json
 import os
-import resource
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from cedana_shim.cli.admin import main
 from cedana_shim.cli.admin_doctor import check_store, shared_filesystem_note
+from support.capabilities import prlimit_of_another_user_works
 
 
 def test_doctor_on_this_node_is_ready(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -40,33 +38,12 @@ def test_doctor_says_whether_criu_can_dump_a_process_of_another_user(
     this project is tested on it is missing, and the text says what that means."""
     assert main(["doctor", "--json", "--store", str(tmp_path / "store")]) == 0
     (sys_resource,) = json.loads(capsys.readouterr().out)["capabilities"].values()
-    assert sys_resource["available"] is _prlimit_of_another_user_works()
+    assert sys_resource["available"] is prlimit_of_another_user_works()
     if not sys_resource["available"]:
         assert sys_resource["meaning"].startswith("CAP_SYS_RESOURCE is missing"), sys_resource
         assert "does not run as root" in sys_resource["meaning"]
     assert main(["doctor", "--store", str(tmp_path / "store")]) == 0
     assert f"caps   {sys_resource['meaning']}" in capsys.readouterr().out
-
-
-def _prlimit_of_another_user_works() -> bool:
-    child = subprocess.Popen(
-        [
-            sys.executable, "-c",
-            "import os, time; os.setresgid(1000, 1000, 1000); os.setresuid(1000, 1000, 1000);"
-            " print('ready', flush=True); time.sleep(60)",
-        ],
-        stdout=subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
-        try:
-            resource.prlimit(child.pid, resource.RLIMIT_CPU)
-        except PermissionError:
-            return False
-        return True
-    finally:
-        child.kill()
-        child.wait()
 
 
 def _soft_dirty() -> bool:
