@@ -5,6 +5,13 @@ task process passes on, checkpoint on SIGTERM/SIGINT before the job sees them,
 serve the control socket, and report the job's exit status. Everything about
 checkpoints goes through the shim's own layers: the CheckpointManager and
 Checkpointing of the task layer, the pipeline, RestoreSession and the store.
+
+The job never outlives its Slurm job, whatever else fails: Slurm's signals come on
+the task process's socketpair, never through the control socket; the stop's
+signal and kill reach the job without runc when runc cannot run, and a reserve of
+descriptors is given back for the stop's checkpoint (job_signals.py); and once the
+task process is gone (KillWait's SIGKILL), or this keeper fails, the job is killed
+through a pidfd opened when it started, which needs no free descriptor.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from . import cgroups, job_spec, leftovers
 from .batch_script import BatchScript
 from .control import RUN_DIR, SOCKET_DIR, ControlServer, socket_path
 from .job_host import JobHost
+from .job_signals import FdReserve, InitHandle, JobRunc
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +154,8 @@ class JobRun:
         self._cgroup = ""  # the container's cgroup path
         self._created: cgroups.CreatedDirs | None = None
         self._task_gone = False
+        self._reserve = FdReserve()
+        self._runc: JobRunc | None = None
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -182,7 +192,11 @@ class JobRun:
             self._report(EXIT_RUNNER_FAILED)
             unsubscribe()
             return EXIT_RUNNER_FAILED
-        status = await self._supervise(pid, cr, host, front_gone)
+        try:
+            status = await self._supervise(pid, cr, host, front_gone)
+        except BaseException:
+            self._kill_now()  # whatever went wrong, the job must not outlive its keeper
+            raise
         cr.stop_periodic()
         await cr.wait_stop()
         if self.init is None or self.init.exit is None:
@@ -196,6 +210,9 @@ class JobRun:
         await self._cleanup()
         self._report(status)
         _let_go_of_stdio()  # the step's output is complete: nothing may hold it open
+        if self._runc is not None and self._runc.init is not None:
+            self._runc.init.close()  # the job is gone: nothing left to signal
+            self._runc.init = None
         unsubscribe()
         await manager.drain(COMPACT_DRAIN_TIMEOUT)
         reaper.close()
@@ -206,6 +223,7 @@ class JobRun:
     ) -> int:
         """From the job's start to its exit: its status."""
         init = self.init = Process(self.request.container_id, "", State.RUNNING, pid)
+        self._hold_init(pid)
         if pid in self._exits:
             init.set_exited(self._exits[pid].status, self._exits[pid].timestamp)
         cr.started(init, host.target)
@@ -220,10 +238,14 @@ class JobRun:
         await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
         if not init.exited.done():  # the task process was killed (KillWait's SIGKILL)
             self._task_gone = True
-            # The step is over for Slurm: its output file may already be the requeued
-            # job's (truncated); nothing of this run may land in it.
+            # The step is over for Slurm: the job goes now, before anything that needs
+            # a descriptor or runc; a checkpoint in progress is abandoned below.
+            self._kill_now()
+            self._reserve.release()
+            # Its output file may already be the requeued job's (truncated); nothing
+            # of this run may land in it.
             _let_go_of_stdio()
-            await cr.abort(init)  # a checkpoint in progress is abandoned: nothing of it stays
+            await cr.abort(init)  # nothing of an abandoned checkpoint stays
             await self._kill_all()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(init.exited), KILLED_EXIT_WAIT)
@@ -237,7 +259,7 @@ class JobRun:
         if not os.path.isdir(self.request.cwd):
             # runc would create it, as root, on the host (the container's root).
             raise InvalidArgument(f"the job's working directory {self.request.cwd} does not exist")
-        runc = Runc(
+        runc = self._runc = JobRunc(
             reaper=reaper,
             root=paths.runc_root,
             log_path=os.path.join(paths.bundle, "log.json"),
@@ -320,8 +342,11 @@ class JobRun:
         if init.exit is not None:
             return
         if sig in STOP_SIGNALS and cr.request_stop(init, host.target, sig):
-            return  # checkpointed first; the job dies once the checkpoint is durable
-        with contextlib.suppress(ShimError):
+            # Checkpointed first; the job dies once the checkpoint is durable. The
+            # reserve is for this checkpoint: the job's end needs no descriptor.
+            self._reserve.release()
+            return
+        with contextlib.suppress(ShimError, OSError):  # OSError: not even the fallback
             await host.runc.kill(self.request.container_id, sig)
 
     async def _control(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -358,9 +383,40 @@ class JobRun:
             }
         raise InvalidArgument(f"unknown control request {op!r}: use checkpoint or status")
 
+    def _hold_init(self, pid: int) -> None:
+        """A pidfd of the job's init from now on, for the stop without runc."""
+        try:
+            handle: InitHandle | None = InitHandle.open(pid, self._cgroup)
+        except OSError as err:
+            log.warning(
+                "cannot hold the job's init: stopping it needs runc",
+                extra={"container": self.request.container_id, "pid": pid, "error": str(err)},
+            )
+            handle = None
+        if handle is not None and pid in self._exits:
+            handle.close()  # reaped before the pidfd was opened: it may name another
+            handle = None
+        if self._runc is not None:
+            self._runc.init = handle
+
+    def _kill_now(self) -> None:
+        """SIGKILL the job without runc or a new descriptor (its init's pidfd)."""
+        handle = self._runc.init if self._runc is not None else None
+        if handle is None or (self.init is not None and self.init.exit is not None):
+            return
+        try:
+            handle.kill()
+        except NotFound:
+            pass  # dead already, not reaped yet
+        except (ShimError, OSError) as err:
+            log.error(
+                "cannot kill the job through its init's pidfd",
+                extra={"container": self.request.container_id, "error": str(err)},
+            )
+
     async def _kill_all(self) -> None:
         if self.host is not None:
-            with contextlib.suppress(NotFound, ShimError):
+            with contextlib.suppress(NotFound, ShimError, OSError):
                 await self.host.runc.kill(self.request.container_id, signal.SIGKILL, all=True)
 
     def _report(self, status: int) -> None:
@@ -394,7 +450,11 @@ class JobRun:
 
 def _let_go_of_stdio() -> None:
     """Once the step is over, the step's stdio is not ours to hold or write to."""
-    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        devnull = os.open(os.devnull, os.O_RDWR)
+    except OSError as err:  # no descriptor left: the job's end must not fail on this
+        log.warning("cannot let go of the step's stdio", extra={"error": str(err)})
+        return
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     os.close(devnull)

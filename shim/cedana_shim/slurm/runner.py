@@ -219,6 +219,7 @@ def run_keeper(
     # Not the limits of whichever job's task started the warm template.
     stepd = job_spec.parent_of(task_pid)
     job_spec.take_rlimits_of(task_pid, *([stepd] if stepd > 1 else []))
+    _all_descriptors()
     return _keeper(request, policy, config_path, pipelines, link)
 
 
@@ -280,6 +281,17 @@ def _keeper(
         _say(f"cannot run job {request.name}: {err}")
         _report(front, EXIT_RUNNER_FAILED)
         return EXIT_RUNNER_FAILED
+
+
+def _all_descriptors() -> None:
+    """The keeper's soft limit of open files up to its hard one: what a job's low
+    ``ulimit -n`` sets is the job's (its spec's rlimits), and this process needs room
+    for the job's checkpoints and its control socket."""
+    import resource
+
+    with contextlib.suppress(OSError, ValueError):
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _report(link: socket.socket, answer: int | str) -> None:

@@ -19,6 +19,7 @@ import contextlib
 import os
 import pwd
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -87,8 +88,10 @@ class SlurmCluster:
         plugstack_include: bool = True,
         kill_wait: int = KILL_WAIT,
         proctrack: str = "linuxproc",
+        nofile: int | None = None,
     ) -> None:
         self.kill_wait = kill_wait
+        self.nofile = nofile
         self.proctrack = proctrack
         self.dir = workdir
         self.etc = workdir / "etc"
@@ -112,7 +115,9 @@ class SlurmCluster:
         self._start_munge()
         self._write_conf()
         self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
-        self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.node])
+        self._spawn(
+            "slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.node], nofile=self.nofile
+        )
         wait_for(self._node_idle, timeout=60, interval=0.3, what=f"node {self.node} idle")
 
     def _start_munge(self) -> None:
@@ -190,11 +195,17 @@ PartitionName=high Nodes={self.node} PriorityTier=2 MaxTime=INFINITE State=UP
         else:
             self.plugstack.write_text("# site SPANK plugins\n")
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], nofile: int | None = None) -> None:
         out = open(self.dir / "log" / f"{name}.stderr", "ab")  # noqa: SIM115 (lives with the process)
-        self._procs.append(
-            subprocess.Popen(argv, stdout=out, stderr=out, env=self.env(), start_new_session=True)
+
+        def limits() -> None:
+            if nofile is not None:  # what slurmstepd, the task and the keeper inherit
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=out, env=self.env(), start_new_session=True, preexec_fn=limits
         )
+        self._procs.append(proc)
 
     def stop(self) -> list[str]:
         """Cancel every job, stop the daemons and munge; returns what needed force."""
@@ -428,7 +439,11 @@ def stop_runner_template() -> None:
 
 @contextlib.contextmanager
 def running_cluster(
-    *, plugstack_include: bool = True, kill_wait: int = KILL_WAIT, proctrack: str = "linuxproc"
+    *,
+    plugstack_include: bool = True,
+    kill_wait: int = KILL_WAIT,
+    proctrack: str = "linuxproc",
+    nofile: int | None = None,
 ) -> Iterator[SlurmCluster]:
     """A started cluster in a fresh directory, stopped and removed afterwards."""
     require_slurm()
@@ -438,6 +453,7 @@ def running_cluster(
         plugstack_include=plugstack_include,
         kill_wait=kill_wait,
         proctrack=proctrack,
+        nofile=nofile,
     )
     try:
         cluster.start()
