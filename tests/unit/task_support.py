@@ -247,10 +247,14 @@ class TaskEnv:
     async def resume(self, container_id: str) -> None:
         await self.service.resume(pb.ResumeRequest(id=container_id), ctx("Resume"))
 
-    async def exec(self, container_id: str, exec_id: str, args: Sequence[str]) -> None:
+    async def exec(
+        self, container_id: str, exec_id: str, args: Sequence[str], *, stdout: str = ""
+    ) -> None:
         process = {"args": list(args), "env": [f"PATH={os.environ.get('PATH', '')}"], "cwd": "/"}
         spec = AnyProto(type_url=SPEC_PROCESS_TYPE, value=json.dumps(process).encode())
-        req = pb.ExecProcessRequest(id=container_id, exec_id=exec_id, spec=spec)
+        req = pb.ExecProcessRequest(
+            id=container_id, exec_id=exec_id, spec=spec, stdout=stdout, stderr=stdout
+        )
         await self.service.exec(req, ctx("Exec"))
 
     async def kill(

@@ -3,9 +3,10 @@
 Each handler decodes its request into a frozen config, calls a ``task_*``
 coroutine (no ttrpc context, so tests call them directly), and encodes the
 answer. This module also owns exit bookkeeping: the reaper reports every exit
-here, once; the matching process records it and the exit is published, an
-init's only after every exec of its container has been published (containerd
-``handleInitExit``).
+here, once; once the process's output is copied out (bounded, see
+``Container.drain_output``) the matching process records it and the exit is
+published, an init's only after every exec of its container has been published
+(containerd ``handleInitExit``).
 """
 
 from __future__ import annotations
@@ -426,6 +427,7 @@ class TaskService:
 
     async def _handle_exit(self, container: Container, process: Process, ex: Exit) -> None:
         if not process.is_init:
+            await container.drain_output(process)
             if process.set_exited(ex.status, ex.timestamp):
                 self._publish_exit(process)
             held = self._held_init_exits.get(container.id)
@@ -449,6 +451,8 @@ class TaskService:
         await self._finish_init_exit(container, info, ex.pid)
 
     async def _finish_init_exit(self, container: Container, info: ExitInfo, pid: int) -> None:
+        if container.init.pid == pid:
+            await container.drain_output(container.init)
         # The lock orders the exit after a Start still in flight (its TaskStart first).
         async with container.init.lock:
             if container.init.pid != pid:

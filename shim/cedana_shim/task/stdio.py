@@ -29,6 +29,7 @@ import os
 import select
 import stat
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -331,11 +332,16 @@ class ProcessIO:
         _close(closer)
 
     def wait(self, timeout: float) -> bool:
-        """Wait for the output copiers to drain; False if they did not in time."""
+        """Wait for the output copiers to drain; False if they did not within ``timeout``.
+
+        They end at EOF, once every holder of the pipes' write ends is gone, which
+        a grandchild may put off for ever; hence the bound, for all of them.
+        """
+        deadline = time.monotonic() + timeout
         for copier in self._copiers:
             if copier.name.endswith("-stdin") or not copier.is_alive():
                 continue
-            copier.join(timeout)
+            copier.join(max(0.0, deadline - time.monotonic()))
             if copier.is_alive():
                 return False
         return True
