@@ -153,6 +153,32 @@ def test_controller_and_login_change_nothing(
         assert not prefix.exists()
 
 
+@pytest.mark.parametrize("order", [("controller", "worker"), ("worker", "controller")])
+def test_a_node_that_is_controller_and_worker_gets_both_in_either_order(
+    cluster: SlurmCluster, prefix: Path, runner: Path, order: tuple[str, str]
+) -> None:
+    """A one-node cluster: one install per role, in either order, or both in one;
+    the node is then what a worker is, and says it has both roles."""
+    before = _snapshot(cluster.etc)
+    where = ("--slurm-conf", str(cluster.conf), "--prefix", str(prefix), "--runner", str(runner))
+    plugin = prefix / "slurm" / "cedana_spank.so"
+    dropin = cluster.plugstack_d / "cedana.conf"
+    first = _slurm("install", "--node-role", order[0], *where)
+    second = _slurm("install", "--node-role", order[1], *where)
+    assert second["roles"] == ["controller", "worker"] and second["role"] == "controller+worker"
+    assert sorted(first["changed"] + second["changed"]) == sorted([str(plugin), str(dropin)])
+    assert dropin.read_text() == f"optional {plugin} runner={runner}\n"
+    status = _slurm("status", "--slurm-conf", str(cluster.conf), "--prefix", str(prefix))
+    assert status["ok"] is True and status["roles"] == ["controller", "worker"], status
+    both = _slurm("install", "--node-role", order[1], "--node-role", order[0], *where)
+    assert both["changed"] == [] and both["roles"] == ["controller", "worker"]
+
+    report = _uninstall(cluster, prefix)
+    assert sorted(report["changed"]) == sorted([str(plugin), str(dropin)])
+    assert _snapshot(cluster.etc) == before
+    assert not prefix.exists()
+
+
 def test_a_configless_controller_hands_the_line_out(tmp_path: Path) -> None:
     with running_cluster() as cluster:
         runner = write_fake_runner(cluster.dir / "runner", cluster.dir)

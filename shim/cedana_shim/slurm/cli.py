@@ -49,6 +49,7 @@ def register(subparsers: Any) -> None:
             "examples:\n"
             "  cedana slurm install --node-role worker\n"
             "  cedana slurm install --node-role controller --slurm-conf /etc/slurm/slurm.conf\n"
+            "  cedana slurm install --node-role controller --node-role worker   # one node\n"
             "  cedana slurm status --json\n"
             "  cedana slurm uninstall"
         ),
@@ -61,9 +62,16 @@ def register(subparsers: Any) -> None:
         help="install the Slurm side of this node (idempotent)",
         description="controller: nothing unless configless (then the plugstack line and "
         "`scontrol reconfigure`); worker: the SPANK plugin and its plugstack line; "
-        "login: nothing.",
+        "login: nothing. A node with several roles gets what each needs: repeat "
+        "--node-role, or install again with another; the roles add up.",
     )
-    p.add_argument("--node-role", required=True, choices=("controller", "worker", "login"))
+    p.add_argument(
+        "--node-role",
+        required=True,
+        action="append",
+        choices=("controller", "worker", "login"),
+        help="this node's role; repeat it for each role a node has",
+    )
     _slurm_conf_args(p)
     p.add_argument(
         "--runner",
@@ -112,7 +120,7 @@ def _install(args: argparse.Namespace) -> int:
 
     opts = _options(
         args,
-        role=args.node_role,
+        roles=tuple(args.node_role),
         runner=args.runner,
         shim_config=args.shim_config,
         include_dir=args.slurm_include,

@@ -13,6 +13,10 @@ the controller: there the line goes into the controller's plugstack.conf and
 login: nothing; the plugin only acts in slurmstepd, and an ``optional`` line whose
 file is absent is skipped silently by sbatch/srun.
 
+A node may have several roles (a one-node cluster is controller and worker): each
+``--node-role`` adds one, given together or in installs one after the other, in any
+order; the node gets what each of its roles needs. ``uninstall`` removes them all.
+
 Every file touched is recorded (with a byte-exact backup, mode and owner) in
 ``PREFIX/slurm/state/install.json`` (root only) by the node installer's ``Managed``
 files, so ``uninstall`` gives each back exactly and removes our own files.
@@ -46,7 +50,7 @@ PLUGIN_NAME = "cedana_spank.so"
 
 @dataclass(frozen=True)
 class Options:
-    role: str = "worker"
+    roles: tuple[str, ...] = ("worker",)
     slurm_conf: str | None = None
     prefix: str = DEFAULT_PREFIX
     runner: str | None = None
@@ -89,14 +93,14 @@ class _State(InstallState):
 @dataclass
 class Report:
     action: str
-    role: str | None
+    roles: list[str]
     slurm_conf: str
     plugstack: str
     changed: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(vars(self))
+        return {**vars(self), "role": role_name(self.roles)}
 
     def render(self) -> str:
         lines = [f"slurm.conf: {self.slurm_conf}", f"plugstack.conf: {self.plugstack}"]
@@ -116,24 +120,36 @@ def _slurm(opts: Options) -> tuple[str, dict[str, str], str]:
     return conf, settings, sc.plugstack_path(conf, settings)
 
 
+def role_name(roles: list[str]) -> str | None:
+    """``controller+worker``: the roles as one word (None: not installed)."""
+    return "+".join(roles) or None
+
+
+def _roles(state: _State) -> list[str]:
+    """The roles installed (an install record of one role says ``role``)."""
+    roles = state.get("roles")
+    if roles is None:
+        roles = [state.get("role")] if state.get("role") else []
+    return [r for r in ROLES if r in roles]
+
+
 def install(opts: Options) -> Report:
-    if opts.role not in ROLES:
-        raise errors.InvalidArgument(f"--node-role {opts.role}: one of {', '.join(ROLES)}")
+    for role in opts.roles:
+        if role not in ROLES:
+            raise errors.InvalidArgument(f"--node-role {role}: one of {', '.join(ROLES)}")
     _require_root()
     conf, settings, plugstack = _slurm(opts)
-    report = Report("install", opts.role, conf, plugstack)
     state = _State(opts.state_file)
-    if state.get("role") not in (None, opts.role):
-        raise errors.FailedPrecondition(
-            f"this node is installed as {state.get('role')}: run `cedana slurm uninstall` "
-            f"first to install it as {opts.role}"
-        )
+    roles = [r for r in ROLES if r in opts.roles or r in _roles(state)]
+    report = Report("install", roles, conf, plugstack)
     managed = Managed(state.host, state)
-    wants_line = opts.role == "worker" or (opts.role == "controller" and sc.is_configless(settings))
+    configless = sc.is_configless(settings)
+    wants_line = "worker" in roles or ("controller" in roles and configless)
     runner = resolve_runner(opts.runner, opts.environ) if wants_line else None
-    plugin = build_plugin(opts.include_dir, opts.cc) if opts.role == "worker" else None
+    plugin = build_plugin(opts.include_dir, opts.cc) if "worker" in roles else None
     managed.ensure_dir(os.path.dirname(opts.plugin))
-    state.set("role", opts.role)
+    state.data.pop("role", None)
+    state.set("roles", roles)
     state.set("slurm_conf", conf)
     state.set("plugstack", plugstack)
     state.save()
@@ -147,11 +163,12 @@ def install(opts: Options) -> Report:
         state.save()
         if changed:
             report.changed.append(target)
-    if opts.role == "controller" and runner is not None and report.changed:
+    if "controller" in roles and configless and report.changed:
         _reconfigure(opts, report)
-    elif opts.role != "worker" and runner is None:
+    elif runner is None:
         report.notes.append(
-            f"a {opts.role} needs no Slurm change: the plugin runs only in slurmstepd on workers"
+            f"a {role_name(roles)} needs no Slurm change: the plugin runs only in slurmstepd "
+            "on workers"
         )
     return report
 
@@ -259,7 +276,7 @@ def uninstall(opts: Options) -> Report:
     _require_root()
     state = _State(opts.state_file)
     conf = state.get("slurm_conf") or ""
-    report = Report("uninstall", state.get("role"), conf, state.get("plugstack") or "")
+    report = Report("uninstall", _roles(state), conf, state.get("plugstack") or "")
     if not os.path.exists(opts.state_file):
         report.notes.append(f"nothing installed under {opts.prefix}")
         return report
@@ -295,12 +312,13 @@ def _remove_state(state_file: str) -> None:
 def status(opts: Options) -> dict[str, Any]:
     state = _State(opts.state_file) if os.access(opts.state_file, os.R_OK) else None
     conf, _, plugstack = _slurm(opts)
-    role = state.get("role") if state else None
+    roles = _roles(state) if state else []
     line_file = state.get("line_file") if state else None
     line = state.get("line") if state else None
     info: dict[str, Any] = {
         "installed": state is not None,
-        "role": role,
+        "role": role_name(roles),
+        "roles": roles,
         "slurm_conf": conf,
         "plugstack": plugstack,
         "line": line,
@@ -308,7 +326,7 @@ def status(opts: Options) -> dict[str, Any]:
         "plugin": opts.plugin if os.path.isfile(opts.plugin) else None,
         "problems": [],
     }
-    if role == "worker":
+    if "worker" in roles:
         if info["plugin"] is None:
             info["problems"].append(f"{opts.plugin} is missing: run install again")
         if not info["line_present"]:
