@@ -41,6 +41,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 from cedana_shim.checkpoint.store import Entry
@@ -542,6 +543,16 @@ def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Pat
     return path
 
 
+def _members_of(stream: BinaryIO) -> list[tuple[tarfile.TarInfo, bytes | None]]:
+    """A diff's members in order, regular files with their contents."""
+    members: list[tuple[tarfile.TarInfo, bytes | None]] = []
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
+        for info in tar:
+            data = tar.extractfile(info) if info.isreg() else None
+            members.append((info, data.read() if data is not None else None))
+    return members
+
+
 def _member(name: str, kind: bytes = tarfile.REGTYPE, **attrs: object) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.type = kind
@@ -569,8 +580,15 @@ def test_crafted_rootfs_diff_is_refused(
     """Checkpoints whose rootfs-diff layer holds `../` paths, absolute paths, a device
     node or a path through a symlink are refused before anything is written: nothing
     lands outside (or inside) the new container's rootfs and it starts cold, with the
-    checkpoint named in the log. A benign diff built the same way restores, which
-    proves the refusals are about the members and nothing else."""
+    checkpoint named in the log. Each crafted diff is the source checkpoint's own diff
+    plus the crafted members, and a benign one built the same way restores, which
+    proves the refusals are about those members and nothing else.
+
+    The source's own diff has to be in there: CRIU's images name the files the
+    processes had open, and those must be back in the rootfs. The counter holds
+    /var/held open for ever, so this is so at every dump (under load the counter's
+    /var/count.new, open for a moment each tick, made a diff of the crafted members
+    alone fail to restore now and then); its capture is checked on the way."""
     c = fresh_containerd
     log = ShimLog(c)
     token = uuid.uuid4().hex[:12]
@@ -596,7 +614,11 @@ def test_crafted_rootfs_diff_is_refused(
     with (
         EventStream(c.socket) as events,
         Workloads(
-            c, new_id, label=unique_label("src"), script=counter_script(), namespace=CTR_NAMESPACE
+            c,
+            new_id,
+            label=unique_label("src"),
+            script=counter_script(extra="exec 3>/var/held; echo held >&3\n"),
+            namespace=CTR_NAMESPACE,
         ) as w,
     ):
         src, at_src = _stop_with_checkpoint(w, w.start("src"), events)
@@ -604,11 +626,15 @@ def test_crafted_rootfs_diff_is_refused(
         assert source.id == src.checkpoint_id
         criu_dir = tmp_path / "criu"
         open_store(c.store).extract_layer(source, CRIU_LAYER, str(criu_dir))
+        with open_store(c.store).open_layer(source, ROOTFS_LAYER) as stream:
+            own = _members_of(stream)
+        held = [data for info, data in own if info.name == "var/held"]
+        assert held == [b"held\n"], f"the file open at the dump is not in its diff: {own}"
 
         problems: list[str] = []
         for kind, members in cases.items():
             label = f"crafted-{kind}-{token[:6]}"
-            diff = _tar(tmp_path / f"{kind}.tar", members)
+            diff = _tar(tmp_path / f"{kind}.tar", [*own, *members])
             crafted = _commit_crafted(c.store, source, criu_dir, label, diff)
             box = w.start(kind, label=label)
             outcome = events.wait_topic(TOPIC_RESTORE, box.cid, timeout=30)
