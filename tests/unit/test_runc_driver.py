@@ -609,17 +609,13 @@ def test_console_socket_peer_without_fd(tmp_path: Path) -> None:
     asyncio.run(body())
 
 
-def _failing_dump(fake: Fake, work: Path, criu_log: str) -> None:
+def _failing_dump(fake: Fake, work: Path, criu_log: str, runc_says: str = "") -> None:
     """runc checkpoint fails as it does when CRIU does, after CRIU wrote ``criu_log``."""
+    said = runc_says or f"criu failed: type NOTIFY errno 0\nlog file: {work}/dump.log"
     fake.control(
         checkpoint={
             "exit": 1,
-            "log": [
-                {
-                    "level": "error",
-                    "msg": f"criu failed: type NOTIFY errno 0\nlog file: {work}/dump.log",
-                }
-            ],
+            "log": [{"level": "error", "msg": said}],
             "criu_log": {"name": "dump.log", "text": criu_log},
         }
     )
@@ -665,6 +661,12 @@ def test_a_failed_dump_says_criu_s_first_error_not_runc_s(fake: Fake, tmp_path: 
         "criu: Error (criu/cr-dump.c:389): Can't get rlimit 0: Operation not permitted; "
     ), err.message
     assert "NOTIFY" not in str(err)
+
+
+def test_the_older_runc_wording_is_replaced_too(fake: Fake, tmp_path: Path) -> None:
+    runc_says = f"criu failed: type DUMP errno 0 path= {tmp_path}/work/dump.log"
+    _failing_dump(fake, tmp_path / "work", "Error (criu/x.c:1): boom\n", runc_says)
+    assert _dump(fake, tmp_path).message.startswith("criu: Error (criu/x.c:1): boom; criu log: ")
 
 
 def test_runc_s_own_message_stays_beside_criu_s(fake: Fake, tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ from typing import Any, Final, TypeVar
 
 from cedana_shim import errors
 from cedana_shim.bundle_state import clear_criu_group, criu_root, mark_criu_group
-from cedana_shim.runtime import criu_log
+from cedana_shim.runtime import cgroup_root, criu_log
 from cedana_shim.runtime.lazy_pages import PagesDaemon
 from cedana_shim.runtime.pgroup import kill_criu_group, start_time
 from cedana_shim.runtime.reaper import KILL_GRACE_SECONDS, Child, Reaper
@@ -503,6 +503,7 @@ class Runc:
             criu_log=log,
             group_bundle=opts.bundle,
             group=None if daemon is None else daemon.group,
+            env=self._restore_env(id, opts.bundle),
         )
         try:
             if daemon is None:
@@ -539,6 +540,30 @@ class Runc:
             daemon.resumed(lambda: self._kill_restored(id))
         return daemon
 
+    def _restore_env(self, id: str, bundle: str) -> dict[str, str]:
+        """runc's environment for a restore; on a cgroup v2 node it names the CRIU
+        config with the new container's cgroup as CRIU's root (:mod:`.cgroup_root`)."""
+        env = _child_env()
+        if not cgroup_root.unified():
+            return env
+        try:
+            with open(os.path.join(bundle, "config.json"), "rb") as f:
+                spec = json.load(f)
+            cgroup = cgroup_root.container_cgroup(
+                spec, id, systemd=self.systemd_cgroup, own_cgroup=cgroup_root.own_cgroup()
+            )
+        except (OSError, ValueError) as err:
+            # A spec runc cannot read or whose cgroupsPath it refuses: runc says so.
+            logger.debug("restore %s: no cgroup root for CRIU: %s", id, err)
+            return env
+        try:
+            env["CRIU_CONFIG_FILE"] = cgroup_root.write_config(bundle, cgroup)
+        except OSError as err:
+            raise errors.Internal(
+                f"container {id}: cannot write the CRIU config naming its cgroup: {err}"
+            ) from err
+        return env
+
     async def _kill_restored(self, id: str) -> None:
         with contextlib.suppress(RuncNotFound):
             await self.kill(id, signal.SIGKILL, all=True)
@@ -555,6 +580,7 @@ class Runc:
         criu_log: _CriuLog | None = None,
         group_bundle: str | None = None,
         group: tuple[int, int] | None = None,
+        env: dict[str, str] | None = None,
     ) -> bytes:
         """Run ``runc <global flags> <verb> <args>``; runc's stdout, or a RuncError.
 
@@ -565,7 +591,7 @@ class Runc:
         with ``group`` (pgid, leader start time) joins that one, recorded already.
         """
         argv = [self.binary, *self.global_args(), verb, *args]
-        env = _child_env()
+        env = _child_env() if env is None else env
         log_offset = self._log_size()
         own: list[int] = []
         out_fd: int | None = None
@@ -805,8 +831,9 @@ def _parse_json(verb: str, out: bytes) -> Any:
 
 CRIU_LOG_TAIL_LINES = 40
 CRIU_LOG_TAIL_BYTES = 16 << 10
-# What runc says of every CRIU failure, whatever CRIU's reason.
-_CRIU_FAILED = re.compile(r"criu failed: type \w+ errno \d+")
+# What runc says of every CRIU failure, whatever CRIU's reason (some versions add the
+# log's path).
+_CRIU_FAILED = re.compile(r"criu failed: type \w+ errno \d+\b")
 
 
 def _criu_reason(message: str, log: _CriuLog, id: str) -> str:
@@ -819,7 +846,7 @@ def _criu_reason(message: str, log: _CriuLog, id: str) -> str:
         return said
     reason = criu_log.first_error(log.source)
     if reason:
-        said = f"criu: {reason}" if _CRIU_FAILED.fullmatch(said) else f"{said}; criu: {reason}"
+        said = f"criu: {reason}" if _CRIU_FAILED.match(said) else f"{said}; criu: {reason}"
     return f"{said}; criu log: {_keep_criu_log(log, id)}"
 
 
