@@ -79,20 +79,49 @@ class Forged:
         return tag_for(str(self.metadata["label"]), self.created, self.id, node)
 
 
+def with_member(store: Store, entry: Entry, name: str, data: bytes, layer: str = "criu") -> bytes:
+    """``entry``'s ``layer`` tar again, with one more member: what a forged blob holds
+    whose config records its true size (compress it, and pass ``len`` to :func:`forge`)."""
+    with store.open_blob(entry.layer(layer).digest, "tar blob") as f:
+        tar = zstandard.ZstdDecompressor().stream_reader(f).read()
+    out = io.BytesIO()
+    with (
+        tarfile.open(fileobj=io.BytesIO(tar), mode="r") as old,
+        tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as new,
+    ):
+        for member in old:
+            new.addfile(member, old.extractfile(member) if member.isreg() else None)
+        info = tarfile.TarInfo(name)
+        info.size, info.mode = len(data), 0o600
+        new.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
 def forge(
-    store: Store, entry: Entry, created: datetime, *, bomb: bytes, layer: str = "criu"
+    store: Store,
+    entry: Entry,
+    created: datetime,
+    *,
+    bomb: bytes,
+    layer: str = "criu",
+    tar_raw_size: int = RECORDED_TAR_BYTES,
+    raw_files: bool = True,
 ) -> Forged:
     """``entry`` (compacted, of ``store``) as a new checkpoint created at ``created``
-    whose ``layer`` tar blob is ``bomb``, recorded as RECORDED_TAR_BYTES raw bytes."""
+    whose ``layer`` tar blob is ``bomb`` (zstd), recorded as ``tar_raw_size`` raw bytes.
+    ``raw_files`` False drops the file lists' digests from the config: then a pull
+    builds no raw-image cache (and does not unpack the tar), the restore extracts it."""
     cid = f"{created:%Y%m%dT%H%M%S}Z-{secrets.token_hex(4)}"
     when = format_created(created)
     metadata = json.loads(json.dumps(dict(entry.metadata)))
     metadata.update(id=cid, created=when)
+    if not raw_files:
+        metadata.pop("rawFiles", None)
     bomb_digest = _sha256(bomb)
     for recorded in metadata["layers"]:
         if recorded["name"] == layer:
             split = sum(f["size"] for f in recorded.get("split_files", []))
-            recorded.update(digest=bomb_digest, size=len(bomb), raw_size=split + RECORDED_TAR_BYTES)
+            recorded.update(digest=bomb_digest, size=len(bomb), raw_size=split + tar_raw_size)
     config = json.dumps(metadata).encode()
     document = json.loads(store.checkpoint_manifest(entry))
     document["config"].update(digest=_sha256(config), size=len(config))

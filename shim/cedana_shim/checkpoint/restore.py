@@ -19,7 +19,11 @@
 3. Any failure: record why, undo the attempt, put the rootfs back, prepare the
    next candidate. Raw images that fail their check are discarded and the same
    checkpoint is tried again from its blob when it has one; a lazy attempt that
-   fails otherwise is tried again at once, eagerly.
+   fails otherwise is tried again at once, eagerly. A checkpoint that fails itself
+   (damaged, its verification, its pull's checks, its restore) gets a failure record
+   in the store (store/failures.py): later starts try it after every other candidate
+   and retention never keeps it in place of a good one; one this session pulled from
+   the registry is removed from the store again (the record keeps its tag last).
 4. No candidate left: a cold start.
 
 A restore by hand (``CEDANA_RESTORE``, see policy.py) has one candidate: the
@@ -34,7 +38,7 @@ that the task layer logs and publishes (``/cedana/restore``). The session drives
 the container only through :class:`RestoreHost`, so the same object serves any
 caller that can restore from a directory of CRIU images.
 
-About 880 lines: every way into and out of a restore is decided here, on purpose in
+About 960 lines: every way into and out of a restore is decided here, on purpose in
 one place (the candidates, by label or by hand, their checks, the fallback, the
 report); what is not a decision lives beside it (compat.py, criu_config.py,
 gpu_steps.py, the store).
@@ -62,7 +66,7 @@ from ..errors import (
     NotFound,
     ShimError,
 )
-from ..hooks import HookRunner, HookState, Stage
+from ..hooks import HookFailed, HookRunner, HookState, Stage
 from ..runtime.criu_stats import restore_stats
 from . import cpu_fit, criu_config
 from .compat import image_mismatch, incompatible
@@ -73,6 +77,7 @@ from .oplog import PhaseClock
 from .policy import FALLBACK_COLD, Policy
 from .rootfs_diff import apply, apply_dir
 from .store import Entry, Store, priority
+from .store.failures import Failure, failed_last, has_failed
 
 if TYPE_CHECKING:
     from .remote import RemoteCheckpoint, RemoteStore
@@ -263,6 +268,7 @@ class RestoreSession:
         self._image_digest = image_digest
         self._digest: str | None = policy.image_digest or None
         self._remaining: list[Entry | RemoteCheckpoint] = []
+        self._pulled: dict[str, RemoteCheckpoint] = {}  # entry id -> the tag it came from
         self._raw_refused: set[str] = set()  # ids whose raw images failed their check
         self._eager_only: set[str] = set()  # ids whose lazy restore failed
         self._refusal: type[ShimError] | None = None  # a restore by hand's error class
@@ -383,7 +389,10 @@ class RestoreSession:
         found: list[Entry | RemoteCheckpoint] = [*local, *remote]
         # Stable: at equal times the local copy (listed first) wins.
         found.sort(key=lambda c: c.created, reverse=True)
-        return found
+        # Those that failed before go last: one that cannot be restored (a forged one, a
+        # newer date its only merit) is not tried first by every start.
+        failures = await asyncio.to_thread(self.store.failures)
+        return failed_last(found, lambda c: _has_failed(c, failures))
 
     async def _remote_candidates(
         self, scope: str, label: str, local: set[str]
@@ -477,6 +486,8 @@ class RestoreSession:
             why = unusable(entry, here)
             if why:
                 self._refuse(DataLoss if entry.damage else FailedPrecondition, entry.id, why)
+                if entry.damage:
+                    await asyncio.to_thread(self._failed, entry.id, why)
                 continue
             if self.policy.restore:
                 why = image_mismatch(entry.metadata, self.policy.image, self.policy.image_digest)
@@ -489,6 +500,8 @@ class RestoreSession:
                 return await asyncio.to_thread(self._unpack, entry, host, network)
             except (ShimError, OSError) as err:
                 self._refuse(_kind(err, DataLoss), entry.id, str(err))
+                if isinstance(err, DataLoss):  # its verification: not this node's doing
+                    await asyncio.to_thread(self._failed, entry.id, str(err))
                 await host.reset_rootfs()
         return None
 
@@ -522,7 +535,12 @@ class RestoreSession:
                 entry = await asyncio.to_thread(remote.pull, candidate)
         except (ShimError, OSError) as err:
             self._refuse(_kind(err, DataLoss), what, f"cannot pull it: {err}")
+            if isinstance(err, DataLoss):  # what the registry holds is bad, not the link
+                await asyncio.to_thread(
+                    self._failed, candidate.checkpoint_id, str(err), tag=candidate.tag
+                )
             return None
+        self._pulled[entry.id] = candidate
         log.info(
             "pulled checkpoint from the registry",
             extra={
@@ -658,6 +676,8 @@ class RestoreSession:
                 else:
                     kind = _kind(err, FailedPrecondition)
                     self._refuse(kind, plan.entry.id, f"restore failed: {err}")
+                    if not isinstance(err, HookFailed):  # a veto judges the restore, not it
+                        await asyncio.to_thread(self._failed, plan.entry.id, str(err))
                 await host.discard_attempt()
             else:
                 self.result.checkpoint_id = plan.entry.id
@@ -688,10 +708,36 @@ class RestoreSession:
         }
         try:
             self.store.record_restore(entry.id, record)
+            self.store.clear_failure(entry.id)
         except (ShimError, OSError) as err:
             log.warning(
                 "cannot record the restore in the store",
                 extra={"container": self.container_id, "checkpoint": entry.id, "error": str(err)},
+            )
+
+    def _failed(self, checkpoint_id: str, why: str, *, tag: str = "") -> None:
+        """``checkpoint_id`` itself failed: recorded (see the module doc), and removed
+        from the store when this session pulled it. Blocking; logs, never raises."""
+        pulled = self._pulled.pop(checkpoint_id, None)
+        try:
+            self.store.record_failure(checkpoint_id, why, tag=pulled.tag if pulled else tag)
+            if pulled is not None:
+                self.store.remove(checkpoint_id)
+                log.info(
+                    "removed a pulled checkpoint that failed; the registry's copy is tried "
+                    "last from now on",
+                    extra={"container": self.container_id, "checkpoint": checkpoint_id},
+                )
+        except NotFound:
+            pass  # removed meanwhile (retention, prune)
+        except (ShimError, OSError) as err:
+            log.warning(
+                "cannot record a failed checkpoint in the store",
+                extra={
+                    "container": self.container_id,
+                    "checkpoint": checkpoint_id,
+                    "error": str(err),
+                },
             )
 
     def _discard_raw(self, entry: Entry) -> Entry | None:
@@ -844,6 +890,12 @@ class RestoreSession:
     def _finish(self) -> None:
         self._lap()
         self._report(self.result)
+
+
+def _has_failed(candidate: Entry | RemoteCheckpoint, failures: Mapping[str, Failure]) -> bool:
+    if isinstance(candidate, Entry):
+        return has_failed(failures, candidate.id)
+    return has_failed(failures, candidate.checkpoint_id, candidate.tag)
 
 
 def _kind(err: BaseException, otherwise: type[ShimError]) -> type[ShimError]:

@@ -24,6 +24,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
 from cedana_shim import errors
 from cedana_shim.checkpoint.store.adopt import manifest_blobs
+from cedana_shim.checkpoint.store.failures import failed_last, has_failed
 from cedana_shim.checkpoint.store.layout import ANN_LABEL, MEDIA_TYPE_MANIFEST, parse_manifest
 from cedana_shim.registry import Registry, RegistryClient, RegistryConfig
 
@@ -287,13 +288,19 @@ class RemoteStore:
     def prune(self, scope: str, label: str, keep: int) -> _Ids:
         """Delete all but the newest ``keep`` checkpoints of (scope, label) from the
         registry, and the markers their tags superseded; returns the ids deleted.
-        [] when the registry refuses deletes (logged once)."""
+        [] when the registry refuses deletes (logged once). Tags this node's store has
+        a failure record of count last, as in the store's own retention: a good
+        checkpoint is never deleted for one that failed here."""
         if keep < 0:
             raise errors.InvalidArgument(f"keep must be >= 0, got {keep}")
         repo = self.client.repository_for(scope)
         part = encode_label(label)
         tags = [t for t in self._tags(repo) if t.label_part == part]
-        complete = _newest_first(t for t in tags if not t.pending)
+        failures = self.store.failures()
+        complete = failed_last(
+            _newest_first(t for t in tags if not t.pending),
+            lambda t: has_failed(failures, t.checkpoint_id, t.base),
+        )
         bases = {t.base for t in complete}
         markers = [t for t in tags if t.pending and t.base in bases]
         removed: _Ids = []

@@ -23,7 +23,8 @@ from cedana_shim import errors
 from . import fsutil, gc
 from .chunks import pool_width
 from .compress import hash_fd
-from .core import INDEX, StoreCore
+from .core import INDEX
+from .failures import FailureRecords, failed_last, sweep_failures
 from .filelist import CACHE_LIST_SUFFIX, MAX_FILE_LIST_BYTES, FileList, parse_file_list
 from .layout import (
     ANN_CREATED,
@@ -98,7 +99,7 @@ def _layer_info(c: ConfigLayer, chunks: tuple[Chunk, ...], raw: bool) -> LayerIn
     )
 
 
-class Catalog(StoreCore):
+class Catalog(FailureRecords):
     def __init__(self, config: StoreConfig, *, step_hook: StepHook | None = None) -> None:
         super().__init__(config, step_hook=step_hook)
         # The last repair of index.json this Store made (automatic ones included).
@@ -394,8 +395,10 @@ class Catalog(StoreCore):
         groups: dict[tuple[str, str], list[CheckpointRef]] = {}
         for ref in index.checkpoints:
             groups.setdefault((ref.scope, ref.label), []).append(ref)
+        failed = self.failures()
         for group in groups.values():
-            for rank, ref in enumerate(newest_first(group)):
+            # The cache is for the checkpoint a restore tries first.
+            for rank, ref in enumerate(failed_last(newest_first(group), lambda r: r.id in failed)):
                 state = self._state_from(manifests.get(ref.descriptor.digest))
                 if state != "compacted":  # raw, or unknown: keep as is
                     whole.add(ref.id)
@@ -404,6 +407,7 @@ class Catalog(StoreCore):
         with self._dir("raw") as raw:
             freed += gc.sweep_raw(raw, whole=whole, cached=cached)
         freed += sweep_records(self._root_fd, {ref.id for ref in index.checkpoints})
+        freed += sweep_failures(self._root_fd, {ref.id for ref in index.checkpoints})
         # The previous format's raw-image cache (a symlink is unlinked, not followed).
         freed += fsutil.remove_entry(self._root_fd, "cache")
         return freed

@@ -260,8 +260,7 @@ class RawBound:
     def end(self) -> None:
         if self.count != self.size:
             raise errors.DataLoss(
-                f"{self._describe}: decompresses to {self.count} bytes, {self.size} "
-                "recorded for it"
+                f"{self._describe}: decompresses to {self.count} bytes, {self.size} recorded for it"
             )
 
 

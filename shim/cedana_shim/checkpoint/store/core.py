@@ -50,6 +50,7 @@ LAYOUT_NAMES: Final = frozenset(
         "spool",
         "cache",
         "restores",
+        "failures",
     }
 )
 # Smaller chunks are allowed for tests; a real store wants MiBs (one blob each).

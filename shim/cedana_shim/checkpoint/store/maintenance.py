@@ -12,6 +12,7 @@ from cedana_shim import errors
 from . import gc
 from .catalog import Catalog, newest_first
 from .core import INDEX_TMP_PREFIX
+from .failures import failed_last
 from .ingest import sweep_ingests
 from .layout import ANN_ID, CheckpointRef, Index, check_checkpoint_id
 from .model import RepairReport
@@ -43,7 +44,12 @@ class Maintenance(Catalog):
             for r in index.checkpoints:
                 if (scope is None or r.scope == scope) and (label is None or r.label == label):
                     groups.setdefault((r.scope, r.label), []).append(r)
-            return {r.id for g in groups.values() for r in newest_first(g)[keep:]}
+            failed = self.failures()
+            return {
+                r.id
+                for g in groups.values()
+                for r in failed_last(newest_first(g), lambda r: r.id in failed)[keep:]
+            }
 
         return self._drop(select, None)
 

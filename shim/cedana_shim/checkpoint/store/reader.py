@@ -222,9 +222,7 @@ class Reader(Catalog):
         describe = f"checkpoint {entry.id}: layer {layer.name!r} ({self._blob_path(layer.digest)})"
         fd = self._open_blob(layer.digest, describe)
         try:
-            extract_tar_zstd(
-                fd, layer.digest, layer.blob_size, layer.tar_raw_size, dest, describe
-            )
+            extract_tar_zstd(fd, layer.digest, layer.blob_size, layer.tar_raw_size, dest, describe)
         finally:
             os.close(fd)
         if not layer.split_files:

@@ -19,6 +19,9 @@ Layout under ``root`` (0700, every file 0600; checkpoints hold process memory)::
     damaged/<id>/           raw checkpoints whose files failed their check
     spool/                  private temp space on this filesystem (restores)
     restores/<id>.jsonl     what was restored from a checkpoint, and when (restores.py)
+    failures/<id>.json      a checkpoint that failed its verification or restore:
+                            tried last, and never kept by retention in place of a
+                            good one (failures.py)
 
 A checkpoint becomes visible in two steps. ``publish`` (writer.py) is the
 durable point, and fast: the staged files are sealed where they are and moved

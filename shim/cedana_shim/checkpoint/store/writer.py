@@ -26,6 +26,7 @@ from cedana_shim import errors
 
 from . import fsutil
 from .catalog import Catalog, newest_first
+from .failures import failed_last
 from .filelist import FILE_LAYER_NAME, FileList, RawFile, dump_file_list
 from .ingest import (
     Ingest,
@@ -344,4 +345,6 @@ class Writer(Catalog):
         if keep == 0:
             return set()
         group = newest_first(r for r in index.checkpoints if (r.scope, r.label) == (scope, label))
-        return {r.id for r in group[keep - 1 :]}
+        # Never a good checkpoint dropped for one that failed: those go first.
+        failed = self.failures()
+        return {r.id for r in failed_last(group, lambda r: r.id in failed)[keep - 1 :]}
