@@ -18,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 
 import pytest
+from support.cgroup_version import skip_other_version
 
 from .harness.config import (
     CRI_NAMESPACE,
@@ -84,6 +85,7 @@ def _narrow_versions(config: pytest.Config, items: list[pytest.Item]) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    skip_other_version(item)
     item.stash[_LOG_OFFSETS] = {id(c): c.log_offset() for c in _LIVE}
 
 

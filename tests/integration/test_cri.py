@@ -233,6 +233,7 @@ def test_stop_container_honours_sigterm(
     cri.remove_container(cid)
 
 
+@pytest.mark.cgroup_v1  # memory.limit_in_bytes
 def test_update_container_resources(containerd: Containerd, cri: CriClient, host_pod: Pod) -> None:
     cid = cri.run_container(host_pod, "resize", containerd.images.busybox, IDLE)
     pid = cri.container_pid(cid)

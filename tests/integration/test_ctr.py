@@ -378,6 +378,7 @@ def test_ps_lists_init_and_exec_pids(containerd: Containerd, ctr: Ctr, new_id: N
                 exec_proc.kill()
 
 
+@pytest.mark.cgroup_v1  # freezer.state; tests/vm covers cgroup v2
 def test_pause_and_resume(containerd: Containerd, ctr: Ctr, new_id: NewId) -> None:
     cid = new_id("pause")
     with ctr.detached(containerd.images.busybox, cid, "sh", "-c", COUNTER) as task:
@@ -401,6 +402,7 @@ def test_pause_and_resume(containerd: Containerd, ctr: Ctr, new_id: NewId) -> No
         )
 
 
+@pytest.mark.cgroup_v1  # v1 metrics; tests/vm covers cgroup v2
 def test_metrics_report_memory_and_cpu(containerd: Containerd, ctr: Ctr, new_id: NewId) -> None:
     cid = new_id("metrics")
     with ctr.detached(containerd.images.busybox, cid, "sh", "-c", COUNTER):
@@ -414,6 +416,7 @@ def test_metrics_report_memory_and_cpu(containerd: Containerd, ctr: Ctr, new_id:
         assert data["pids"]["current"] >= 2, data
 
 
+@pytest.mark.cgroup_v1  # memory.limit_in_bytes; tests/vm covers cgroup v2
 def test_update_memory_limit(containerd: Containerd, ctr: Ctr, new_id: NewId) -> None:
     # ctr has no `task update`: make the Tasks.Update call its client library makes.
     cid = new_id("update")

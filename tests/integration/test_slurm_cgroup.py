@@ -19,6 +19,9 @@ from .harness.slurm import SlurmCluster, counters, running_cluster
 from .harness.slurm_jobs import Protected, wait_nothing_left
 from .harness.util import wait_for
 
+# Slurm's cgroup/v1 plugin; tests/vm/test_slurm.py runs its cgroup/v2 one.
+pytestmark = pytest.mark.cgroup_v1
+
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[SlurmCluster]:

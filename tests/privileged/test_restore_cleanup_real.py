@@ -173,7 +173,11 @@ class Checkpointed:
         for leftover in (criu_root(self.root, self.id), str(self.work)):
             with contextlib.suppress(Exception):  # left by a failing test
                 unmount_all(leftover)
-        for path in Path("/sys/fs/cgroup").glob(f"*/{self.cgroup}"):
+        # One per v1 hierarchy, or the unified one's.
+        for path in [
+            *Path("/sys/fs/cgroup").glob(f"*/{self.cgroup}"),
+            Path("/sys/fs/cgroup", self.cgroup),
+        ]:
             with contextlib.suppress(OSError):
                 path.rmdir()
 

@@ -36,6 +36,7 @@ from cedana_shim.runtime.runc import (
     Stdio,
     read_pid_file,
 )
+from support.cgroup_version import host_cgroup_version
 from support.processes import run_with_reaper
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -135,7 +136,8 @@ def host(tmp_path: Path) -> Iterator[Host]:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
         for cgroup in h.cgroups:
-            for path in glob.glob(f"/sys/fs/cgroup/*/{cgroup}"):
+            # One per v1 hierarchy, or the unified one's.
+            for path in [*glob.glob(f"/sys/fs/cgroup/*/{cgroup}"), f"/sys/fs/cgroup/{cgroup}"]:
                 with contextlib.suppress(OSError):
                     os.rmdir(path)
         listed = subprocess.run(
@@ -279,7 +281,8 @@ def test_exec_with_stdio_and_update(host: Host) -> None:
 
             await r.update(cid, json.dumps({"pids": {"limit": 50}}).encode())
             cgroup = host.cgroups[-1]
-            assert Path(f"/sys/fs/cgroup/pids/{cgroup}/pids.max").read_text().strip() == "50"
+            pids = "" if host_cgroup_version() == 2 else "pids/"
+            assert Path(f"/sys/fs/cgroup/{pids}{cgroup}/pids.max").read_text().strip() == "50"
         finally:
             await r.delete(cid, force=True)
 

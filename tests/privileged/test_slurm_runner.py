@@ -436,6 +436,7 @@ def test_a_job_whose_keeper_died_is_killed_by_the_next_runner_on_the_node(node: 
     assert not os.path.exists(socket_path(job.name))
 
 
+@pytest.mark.cgroup_v1  # the task's v1 memory cgroup
 @pytest.mark.parametrize("path", ["template", "cold"])
 def test_the_job_gets_what_slurm_set_on_the_task_and_its_cgroups_go_with_it(
     node: Node, path: str
