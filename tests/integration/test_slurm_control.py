@@ -31,6 +31,7 @@ from .harness.slurm_jobs import (
     stranger,
     wait_nothing_left,
 )
+from .harness.util import wait_for
 
 NOFILE = 256
 ATTACK = 400  # connections: more than the keeper's descriptors
@@ -143,3 +144,40 @@ def test_a_job_that_ignores_sigterm_dies_with_its_slurm_job_though_the_keeper_ha
     cluster.wait_output("stubborn.out", r"^GOT-TERM$", timeout=30)
     cluster.wait_state(job_id, "CANCELLED", timeout=cluster.kill_wait + 60)
     wait_nothing_left(job_id, timeout=60)
+
+
+def test_a_job_frozen_for_its_checkpoint_dies_at_killwait_though_the_keeper_has_no_descriptor(
+    protected: Protected,
+) -> None:
+    """scancel's checkpoint is held after CRIU's dump (a postcheckpoint hook), the job
+    frozen for it, when the keeper runs out of descriptors; KillWait's SIGKILL then
+    ends the task process, and the keeper kills and thaws the job through the
+    descriptors it held from the start, and cleans up on those it kept for the end."""
+    cluster = protected.cluster
+    marker = cluster.dir / "in-checkpoint"
+    hook = cluster.dir / "slow-hook"
+    # The abandoned dump runs the stage again to say it failed: that run is quick.
+    hook.write_text(f"#!/bin/sh\ngrep -q failed && exit 0\ntouch {marker}\nexec sleep 120\n")
+    hook.chmod(0o755)
+    (protected.hooks / "slow.json").write_text(
+        json.dumps(
+            {
+                "version": "1.0.0",
+                "hook": {"path": str(hook), "timeout": 300},
+                "when": {"always": True},
+                "stages": ["postcheckpoint"],
+            }
+        )
+    )
+    try:
+        job_id = protected.victim("frozen", export="CEDANA_ENABLE=1,CEDANA_CHECKPOINT=frozen")
+        keeper = keeper_pid(job_id)
+        cluster.cancel(job_id)
+        wait_for(marker.exists, timeout=30, what="the checkpoint to reach its postcheckpoint hook")
+        squeeze_descriptors(keeper)
+        cluster.wait_state(job_id, "CANCELLED", timeout=cluster.kill_wait + 60)
+        wait_nothing_left(job_id, timeout=60)
+        assert "committed" not in cluster.output("frozen.out")
+        assert protected.checkpoints("root", "frozen") == []
+    finally:
+        (protected.hooks / "slow.json").unlink()

@@ -46,7 +46,7 @@ from . import cgroups, job_spec, leftovers
 from .batch_script import BatchScript
 from .control import RUN_DIR, SOCKET_DIR, ControlServer, socket_path
 from .job_host import JobHost
-from .job_signals import FdReserve, InitHandle, JobRunc
+from .job_signals import FD_FOR_STOP, FdReserve, InitHandle, JobRunc
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,7 @@ class JobRun:
         except BaseException:
             self._kill_now()  # whatever went wrong, the job must not outlive its keeper
             raise
+        self._reserve.release()  # the rest: for the cleanup
         cr.stop_periodic()
         await cr.wait_stop()
         if self.init is None or self.init.exit is None:
@@ -342,9 +343,9 @@ class JobRun:
         if init.exit is not None:
             return
         if sig in STOP_SIGNALS and cr.request_stop(init, host.target, sig):
-            # Checkpointed first; the job dies once the checkpoint is durable. The
-            # reserve is for this checkpoint: the job's end needs no descriptor.
-            self._reserve.release()
+            # Checkpointed first; the job dies once the checkpoint is durable. Most
+            # of the reserve is for this checkpoint; the job's end needs none.
+            self._reserve.release(FD_FOR_STOP)
             return
         with contextlib.suppress(ShimError, OSError):  # OSError: not even the fallback
             await host.runc.kill(self.request.container_id, sig)

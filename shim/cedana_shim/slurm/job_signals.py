@@ -16,8 +16,9 @@ may start beside it. So the keeper holds, from the job's start:
   (task/checkpointing.py) signals and kills through these two calls, so a stop whose
   checkpoint could not be made still delivers its signal, and one whose checkpoint
   is durable still kills.
-* :class:`FdReserve`: descriptors held open and given back for the stop, so that
-  its checkpoint can run even if something used up the others.
+* :class:`FdReserve`: descriptors held open and given back, most when a stop begins
+  (its checkpoint can then run even if something used up the others), the rest when
+  the job ends (for the cleanup after it).
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ from . import cgroups
 log = logging.getLogger(__name__)
 
 # A stop's checkpoint holds 2-5 descriptors more than the keeper at rest (sampled in
-# three stops); the rest is margin. 64 of /dev/null cost nothing.
-FD_RESERVE: Final = 64
+# three stops); the rest is margin. Of /dev/null, they cost nothing.
+FD_FOR_STOP: Final = 64
+# The end's cleanup (runc delete, unmounts, removing the bundle) after a stop that used
+# the others.
+FD_FOR_END: Final = 16
 
 
 class InitHandle:
@@ -54,17 +58,17 @@ class InitHandle:
         """Opened while ``pid`` cannot have been reaped and reused yet (the caller
         checks that its exit was not seen before). The freezer is best effort."""
         pidfd = os.pidfd_open(pid)
-        freezer, thawed = -1, b""
-        for hierarchy in cgroups.hierarchies():
-            if hierarchy.key in ("freezer", ""):
-                name, thawed = (
-                    ("freezer.state", b"THAWED") if hierarchy.key else ("cgroup.freeze", b"0")
-                )
+        mounted = {h.key: h for h in cgroups.hierarchies()}
+        # cgroup v1's freezer first: on a hybrid node it is the one runc freezes.
+        for key, name, thawed in (
+            ("freezer", "freezer.state", b"THAWED"),
+            ("", "cgroup.freeze", b"0"),
+        ):
+            if key in mounted:
                 with contextlib.suppress(OSError):
-                    path = os.path.join(hierarchy.path(cgroup), name)
-                    freezer = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-                    break
-        return cls(pid, pidfd, freezer, thawed)
+                    path = os.path.join(mounted[key].path(cgroup), name)
+                    return cls(pid, pidfd, os.open(path, os.O_WRONLY | os.O_CLOEXEC), thawed)
+        return cls(pid, pidfd)
 
     def deliver(self, sig: int) -> None:
         """``sig`` to the init; SIGKILL, or a signal that cannot be delivered, kills the
@@ -147,9 +151,9 @@ class JobRunc(Runc):
 
 
 class FdReserve:
-    """``count`` descriptors (of /dev/null) held until :meth:`release`."""
+    """``count`` descriptors (of /dev/null) held until released."""
 
-    def __init__(self, count: int = FD_RESERVE) -> None:
+    def __init__(self, count: int = FD_FOR_STOP + FD_FOR_END) -> None:
         self._fds: list[int] = []
         with contextlib.suppress(OSError):  # a smaller reserve is still one
             for _ in range(count):
@@ -158,9 +162,10 @@ class FdReserve:
     def __len__(self) -> int:
         return len(self._fds)
 
-    def release(self) -> None:
-        while self._fds:
+    def release(self, count: int | None = None) -> None:
+        """Give back ``count`` of them (None: all that are left)."""
+        for _ in range(len(self._fds) if count is None else min(count, len(self._fds))):
             os.close(self._fds.pop())
 
 
-__all__ = ["FD_RESERVE", "FdReserve", "InitHandle", "JobRunc"]
+__all__ = ["FD_FOR_END", "FD_FOR_STOP", "FdReserve", "InitHandle", "JobRunc"]
