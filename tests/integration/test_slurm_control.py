@@ -7,8 +7,8 @@ the job's owner exhausted the runner's descriptors; the owner could no longer
 checkpoint, ``scancel`` neither checkpointed nor signalled the job, which outlived
 its Slurm job, and the shim log was flooded with tracebacks. Slurm propagates only the
 soft limit of a job's ``ulimit -n`` (slurmstepd's hard one stays), so this node's
-slurmd runs with 256 descriptors, the keeper's share; a keeper with none left at all
-is made with prlimit (:func:`squeeze_descriptors`).
+slurmd, and with it every keeper, runs with 256 descriptors; a keeper with none left
+at all is made with prlimit (:func:`squeeze_descriptors`).
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class ControlServer:
         self._sock: socket.socket | None = None
         self._spare = -1  # given up to accept (and close) when no descriptor is left
         self._serving: Counter[int] = Counter()  # uid -> connections being served
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # held: the loop holds them weakly
 
     async def start(self) -> None:
         directory = os.path.dirname(self.path)

@@ -58,17 +58,10 @@ class InitHandle:
         """Opened while ``pid`` cannot have been reaped and reused yet (the caller
         checks that its exit was not seen before). The freezer is best effort."""
         pidfd = os.pidfd_open(pid)
-        mounted = {h.key: h for h in cgroups.hierarchies()}
-        # cgroup v1's freezer first: on a hybrid node it is the one runc freezes.
-        for key, name, thawed in (
-            ("freezer", "freezer.state", b"THAWED"),
-            ("", "cgroup.freeze", b"0"),
-        ):
-            if key in mounted:
-                with contextlib.suppress(OSError):
-                    path = os.path.join(mounted[key].path(cgroup), name)
-                    return cls(pid, pidfd, os.open(path, os.O_WRONLY | os.O_CLOEXEC), thawed)
-        return cls(pid, pidfd)
+        try:
+            return cls(pid, pidfd, *_open_freezer(cgroup))
+        except OSError:
+            return cls(pid, pidfd)
 
     def deliver(self, sig: int) -> None:
         """``sig`` to the init; SIGKILL, or a signal that cannot be delivered, kills the
@@ -109,6 +102,18 @@ class InitHandle:
             if err.errno in (errno.ESRCH, errno.EBADF):
                 raise NotFound(f"the job's init {self.pid} is gone") from None
             raise
+
+
+def _open_freezer(cgroup: str) -> tuple[int, bytes]:
+    """A descriptor of ``cgroup``'s freezer, and what thaws it."""
+    mounted = {h.key: h for h in cgroups.hierarchies()}
+    # cgroup v1's freezer first: on a hybrid node it is the one runc freezes.
+    for key, name, thawed in (("freezer", "freezer.state", b"THAWED"), ("", "cgroup.freeze", b"0")):
+        if key in mounted:
+            with contextlib.suppress(OSError):
+                path = os.path.join(mounted[key].path(cgroup), name)
+                return os.open(path, os.O_WRONLY | os.O_CLOEXEC), thawed
+    raise FileNotFoundError(f"no freezer of cgroup {cgroup}")
 
 
 class JobRunc(Runc):
