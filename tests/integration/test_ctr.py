@@ -88,7 +88,7 @@ def test_run_stdout_and_stderr_are_separate(
     The container exits only once ctr has printed both: ctr's task Delete closes its
     FIFOs as soon as it learns of the exit (io.Close in containerd 1.6, io.Cancel in 1.7
     and 2.x), so what it had not read by then is lost, and with two busy loops beside
-    that happened to containerd's runc shim in 1-5 runs out of 150 on each version. The
+    that happened to containerd's runc shim in 1 to 3 runs out of 150 on each version. The
     shim's own part, never reporting an exit before the output is copied out, is
     tests/unit/test_task_stdio_at_exit.py."""
     cid = new_id("c")

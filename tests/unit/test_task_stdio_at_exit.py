@@ -20,7 +20,7 @@ from google.protobuf.message import Message
 from task_support import SLEEP, TaskEnv, TaskWorld
 
 
-def _late_writer(out: Path, go: Path) -> list[str]:
+def _late_writer(go: Path) -> list[str]:
     """Prints `head`, leaves a child holding stdout that prints `tail` once `go` exists."""
     return ["sh", "-c", f"(until [ -e {go} ]; do sleep 0.01; done; echo tail) & echo head"]
 
@@ -44,10 +44,10 @@ def test_exit_is_published_after_the_output_is_copied(tmp_path: Path, who: str) 
         process_id = "c1" if who == "init" else "e1"
         at_exit = _record_output_at_exit(env, out, process_id)
         if who == "init":
-            pid = await env.run("c1", _late_writer(out, go), stdout=f"file://{out}")
+            pid = await env.run("c1", _late_writer(go), stdout=f"file://{out}")
         else:
             await env.run("c1", SLEEP)
-            await env.exec("c1", "e1", _late_writer(out, go), stdout=f"file://{out}")
+            await env.exec("c1", "e1", _late_writer(go), stdout=f"file://{out}")
             pid = await env.start("c1", "e1")
         await env.until(lambda: env.fake.process_state(pid) == "gone", "the process to be reaped")
         go.touch()  # only now does the child write, and end the copy
