@@ -120,7 +120,8 @@ def _no_checkpoint_then_the_signal(world: TaskWorld, expected_error: str) -> Non
 def test_failing_dump_delivers_the_signal(tmp_path: Path) -> None:
     world = TaskWorld(tmp_path)
     world.fake.control(checkpoint={"error": "cannot dump pages"})
-    _no_checkpoint_then_the_signal(world, "criu failed")
+    # CRIU's own reason, not runc's "criu failed: type NOTIFY errno 0".
+    _no_checkpoint_then_the_signal(world, "criu: Error (criu/fake.c:1): cannot dump pages")
 
 
 def test_failing_publish_thaws_and_delivers_the_signal(tmp_path: Path) -> None:

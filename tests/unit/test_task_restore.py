@@ -93,7 +93,7 @@ def test_newest_failing_falls_back_to_the_older(tmp_path: Path) -> None:
         outcome = outcome_of(env, "c1")
         assert (outcome.outcome, outcome.checkpoint_id) == ("restored", older)
         assert f"{newer}: restore failed" in outcome.detail
-        assert "criu failed" in outcome.detail
+        assert "criu: Error (criu/fake.c:1): the images are marked bad" in outcome.detail
         assert len(env.fake.calls("restore")) == 2
         # The failed attempt left nothing behind.
         assert env.fake.live_pids() == [pid]
