@@ -35,7 +35,7 @@ from .config import (
 from .cri import CGROUP_PARENT_ROOT, CriClient
 from .ctr import Ctr
 from .images import TestImages
-from .util import wait_for
+from .util import slower, wait_for
 
 RUNC_STATE_ROOT = Path("/run/containerd/runc")
 _MNT_DETACH = 2
@@ -285,6 +285,7 @@ state = {_toml_str(self.state)}
                 start_new_session=True,
             )
         self.starts += 1
+        timeout *= slower()
         deadline = time.monotonic() + timeout
         while not self._socket_answers():
             if not self.running:
@@ -599,10 +600,12 @@ def make_containerd(
     parent: Path,
     namespaces: tuple[str, ...],
     extra_env: Mapping[str, str] | None = None,
+    factory: type[Containerd] = Containerd,
 ) -> Containerd:
     """Create, start and load images into a containerd; on any failure, clean up and
     re-raise (a fixture that fails half-way must not leak a daemon). `extra_env` is
-    added to containerd's environment (see `Containerd.extra_env`)."""
+    added to containerd's environment (see `Containerd.extra_env`); `factory` is the
+    class made (tests/vm registers the handler with SystemdCgroup)."""
     for binary in (version.containerd, version.ctr, version.runc_shim, CRIU):
         if not os.access(binary, os.X_OK):
             raise ContainerdError(f"{binary} missing or not executable: run `make setup`")
@@ -620,7 +623,7 @@ def make_containerd(
             check=True,
         ).stdout.strip()
     )
-    instance = Containerd(version, runtime, base, images, extra_env)
+    instance = factory(version, runtime, base, images, extra_env)
     try:
         instance.start()
         for ns in namespaces:

@@ -32,7 +32,7 @@ from cedana_shim.wire import bytes_field
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
-from .util import WaitTimeout
+from .util import WaitTimeout, slower
 
 _SERVICE = "/containerd.services.events.v1.Events"
 _SYNC_TOPIC = "/cedana-itest/sync"
@@ -41,12 +41,14 @@ TOPIC_COMMITTED = "/cedana/checkpoint/committed"
 TOPIC_FAILED = "/cedana/checkpoint/failed"
 TOPIC_RESTORE = "/cedana/restore"
 TOPIC_EXIT = "/tasks/exit"
+TOPIC_OOM = "/tasks/oom"
 
 _DECODERS: dict[str, type[Message]] = {
     TOPIC_COMMITTED: cedana_ev.CheckpointCommitted,
     TOPIC_FAILED: cedana_ev.CheckpointFailed,
     TOPIC_RESTORE: cedana_ev.RestoreOutcome,
     TOPIC_EXIT: task_ev.TaskExit,
+    TOPIC_OOM: task_ev.TaskOOM,
     "/tasks/start": task_ev.TaskStart,
     "/tasks/create": task_ev.TaskCreate,
     "/tasks/delete": task_ev.TaskDelete,
@@ -163,6 +165,7 @@ class EventStream:
     def wait(
         self, predicate: Callable[[Event], bool], *, timeout: float, what: str = "an event"
     ) -> Event:
+        timeout *= slower()
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:

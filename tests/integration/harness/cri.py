@@ -18,12 +18,12 @@ import grpc
 from cedana_shim.api.cri.v1 import api_pb2 as cri
 from cedana_shim.api.cri.v1 import api_pb2_grpc as cri_grpc
 
-from .util import wait_for
+from .util import slower, wait_for
 
 # Kubelet puts every pod under a cgroup parent it owns; the tests do the same so that
 # nothing lands at the root of the cgroup hierarchies.
 CGROUP_PARENT_ROOT = "/cedana-itest-pods"
-RPC_TIMEOUT = 30.0
+RPC_TIMEOUT = 30.0 * slower()  # tests/vm sets CEDANA_TEST_SLOWER before it imports us
 
 
 @dataclass
@@ -134,8 +134,10 @@ class CriClient:
         args: Sequence[str] = (),
         envs: dict[str, str] | None = None,
         mounts: Sequence[tuple[str, str]] = (),
+        memory_limit: int = 0,
     ) -> str:
-        """`mounts`: (host path, container path) read-only binds."""
+        """`mounts`: (host path, container path) read-only binds; `memory_limit`: the
+        container's, in bytes (0: none), as kubelet passes a pod's limit."""
         config = cri.ContainerConfig(
             metadata=cri.ContainerMetadata(name=name, attempt=0),
             image=cri.ImageSpec(image=image),
@@ -152,7 +154,10 @@ class CriClient:
             linux=cri.LinuxContainerConfig(
                 security_context=cri.LinuxContainerSecurityContext(
                     namespace_options=pod.config.linux.security_context.namespace_options
-                )
+                ),
+                resources=cri.LinuxContainerResources(memory_limit_in_bytes=memory_limit)
+                if memory_limit
+                else None,
             ),
         )
         resp = self.runtime.CreateContainer(

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .util import WaitAborted, wait_for
+from .util import WaitAborted, slower, wait_for
 
 
 class CtrError(AssertionError):
@@ -59,6 +59,7 @@ class Ctr:
         """Run ctr to completion; with `check`, a non-zero exit is a test failure that
         shows the command and both streams."""
         argv = self.argv(*args)
+        timeout *= slower()
         try:
             proc = subprocess.run(
                 argv,

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+
+
+def slower() -> float:
+    """How much slower than this project's host the machine is: every bound the harness
+    puts on a step is multiplied by it (`CEDANA_TEST_SLOWER`; the VM tier's guest runs
+    code 20-50x slower, more under load). Read at each use: tests/vm sets it."""
+    return float(os.environ.get("CEDANA_TEST_SLOWER", "1"))
 
 
 class WaitTimeout(AssertionError):
@@ -31,6 +39,7 @@ def wait_for(
     Exceptions from the predicate count as "not yet" until the deadline; the last one is
     chained onto the timeout so a persistent error is visible in the report.
     """
+    timeout *= slower()
     deadline = time.monotonic() + timeout
     last_exc: BaseException | None = None
     last_value: object = None
