@@ -5,7 +5,8 @@ dump a process holding a TCP socket (a real dump, see node.criu_probe), runc,
 the checkpoint store's location and permissions, and for GPU nodes the NVIDIA
 driver, the CUDA checkpoint API or ``cuda-checkpoint``, and the devices — and
 says for each missing piece what to do. It also says what the node's capability
-bounding set lets CRIU dump (CAP_SYS_RESOURCE: processes of other users).
+bounding set lets CRIU dump (CAP_SYS_RESOURCE: processes of other users), and the
+node's cgroup version and driver.
 """
 
 from __future__ import annotations
@@ -140,6 +141,49 @@ def _containerd_pids(proc: str) -> list[int]:
     return sorted(pids)
 
 
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def check_cgroups(root: str = CGROUP_ROOT, proc: str = "/proc") -> dict[str, Any]:
+    """The node's cgroup version and who manages the hierarchy, which decides the cgroup
+    driver kubelet and runc must use (and that a restore lands in the new container's
+    cgroup: on cgroup v2 the shim names it to CRIU, runtime/cgroup_root.py)."""
+    unified = os.path.join(root, "cgroup.controllers")
+    try:
+        with open(unified) as f:
+            version, controllers = 2, f.read().split()
+    except FileNotFoundError:
+        version = 1
+        try:
+            controllers = sorted(
+                name for name in os.listdir(root) if os.path.isdir(os.path.join(root, name))
+            )
+        except OSError:
+            controllers = []
+    except OSError as err:
+        return {"version": None, "meaning": f"cannot read {unified}: {err}"}
+    try:
+        with open(os.path.join(proc, "1", "comm")) as f:
+            systemd = f.read().strip() == "systemd"
+    except OSError:
+        systemd = False
+    driver = "systemd" if systemd else "cgroupfs"
+    hierarchy = "cgroup v2 (unified)" if version == 2 else "cgroup v1"
+    meaning = (
+        f"{hierarchy}, managed by systemd: kubelet's cgroupDriver and runc's SystemdCgroup "
+        "must be systemd (kubeadm's default); the cedana handler takes SystemdCgroup from "
+        "the node's runc (cedana node install)"
+        if systemd
+        else f"{hierarchy}, not managed by systemd: the cgroupfs driver (SystemdCgroup = false)"
+    )
+    return {
+        "version": version,
+        "controllers": controllers,
+        "driver": driver,
+        "meaning": meaning,
+    }
+
+
 def check_runc() -> dict[str, Any]:
     path = shutil.which("runc")
     if path is None:
@@ -206,6 +250,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         "store": check_store(store),
         "gpu": readiness(cli_path=config.cuda_checkpoint_path or None),
         "capabilities": check_capabilities(),
+        "cgroups": check_cgroups(),
     }
     ready = all(report[k]["ok"] for k in ("criu", "runc", "store"))
     report["ready"] = ready
@@ -222,6 +267,7 @@ def run_doctor(args: argparse.Namespace) -> int:
             sys.stdout.write(f"      criu   {feature['meaning']}\n")
         for capability in report["capabilities"].values():
             sys.stdout.write(f"      caps   {capability['meaning']}\n")
+        sys.stdout.write(f"      cgroup {report['cgroups']['meaning']}\n")
         gpu = report["gpu"]
         devices = gpu.get("devices") or []
         if devices:
