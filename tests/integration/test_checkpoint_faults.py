@@ -128,6 +128,20 @@ def _wait_gone(pid: int, what: str, timeout: float = 30) -> None:
 # -- SIGKILL during the checkpoint-on-stop --------------------------------------------------
 
 
+def _wait_compression_over(store: Path, checkpoint_id: str) -> None:
+    """Until the background compression of ``checkpoint_id`` is over: compacted, and its
+    work dir removed (just after). The shim that took it does it, and under load is
+    still at it when a later dump fails; that work dir is not the dump's."""
+    wait_compacted(store, checkpoint_id)
+    wait_for(
+        lambda: (
+            not [d for d in ingest_dirs(store) if d.name.startswith(f"compact-{checkpoint_id}-")]
+        ),
+        timeout=30,
+        what=f"the compression of {checkpoint_id} to remove its work dir",
+    )
+
+
 def _second_incarnation(
     c: Containerd, w: Workloads, events: EventStream, ticks: int = 4
 ) -> tuple[Event, Counter, Box, int]:
@@ -184,6 +198,7 @@ def test_sigkill_while_the_stop_checkpoint_dumps(
         _wait_gone(shim, "b's shim to exit")  # after this no commit can still be pending
         assert not events.of(TOPIC_COMMITTED, b.cid)
         assert _ids(c, w.label) == [good.checkpoint_id]
+        _wait_compression_over(c.store, good.checkpoint_id)
         store_is_sound(c.store)
         assert not ingest_dirs(c.store), "the abandoned dump's staging dir was left behind"
 
@@ -227,6 +242,7 @@ def test_shim_killed_during_the_dump(fresh_containerd: Containerd, new_id: NewId
         assert not log.find("checkpoint committed", container=b.cid)
         w.ctr.remove(b.cid)
         assert _ids(c, w.label) == [good.checkpoint_id]
+        _wait_compression_over(c.store, good.checkpoint_id)
         store_is_sound(c.store)
         # The dead shim's staging dir is unlocked garbage: gc reclaims it.
         leftovers = ingest_dirs(c.store)
@@ -276,6 +292,7 @@ def test_criu_killed_during_the_dump(fresh_containerd: Containerd, new_id: NewId
         assert not events.of(TOPIC_COMMITTED, b.cid)
         w.delete(b)
         assert _ids(c, w.label) == [good.checkpoint_id]
+        _wait_compression_over(c.store, good.checkpoint_id)
         store_is_sound(c.store)
         assert not ingest_dirs(c.store), "the failed dump's staging dir was left behind"
 
