@@ -70,10 +70,8 @@ def test_a_pipe_held_open_for_ever_delays_the_exit_only_so_long(
     out = tmp_path / "out.log"
 
     async def body(env: TaskEnv) -> None:
-        at_exit = _record_output_at_exit(env, out, "c1")
         await env.run("c1", ["sh", "-c", "sleep 60 & echo head; exit 3"], stdout=f"file://{out}")
         assert (await env.wait("c1")).exit_status == 3
-        assert at_exit == ["head\n"]
         warned = [r for r in caplog.records if r.levelno == logging.WARNING
                   and getattr(r, "container", None) == "c1"
                   and "output still being copied" in r.getMessage()]  # fmt: skip
