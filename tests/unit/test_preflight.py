@@ -80,19 +80,28 @@ def test_the_same_tree_is_dumped_where_the_capability_is_there(tmp_path: Path) -
 
 
 @pytest.mark.parametrize(
-    ("uids", "gids"),
+    ("uids", "gids", "said"),
     [
-        ((ME[0], ME[0], 1000), (ME[1],) * 3),  # only the saved uid differs
-        ((ME[0],) * 3, (ME[1], 1000, ME[1])),  # only the effective gid
+        (  # only the saved uid differs
+            (ME[0], ME[0], 1000),
+            (ME[1],) * 3,
+            f"uids {ME[0]}, {ME[0]}, 1000 (real, effective, saved), gid {ME[1]}",
+        ),
+        (  # only the effective gid
+            (ME[0],) * 3,
+            (ME[1], 1000, ME[1]),
+            f"uid {ME[0]}, gids {ME[1]}, 1000, {ME[1]} (real, effective, saved)",
+        ),
     ],
 )
 def test_any_of_the_six_ids_counts(
-    tmp_path: Path, uids: tuple[int, int, int], gids: tuple[int, int, int]
+    tmp_path: Path, uids: tuple[int, int, int], gids: tuple[int, int, int], said: str
 ) -> None:
     proc = FakeProc(tmp_path, WITHOUT)
     proc.process(100, uids=uids, gids=gids)
-    with pytest.raises(FailedPrecondition, match="process 100 "):
+    with pytest.raises(FailedPrecondition) as info:
         proc.check()
+    assert f"process 100 (app) runs as {said}, and CRIU" in str(info.value)
 
 
 def test_processes_of_crius_own_user_and_zombies_pass(tmp_path: Path) -> None:

@@ -96,12 +96,12 @@ def _problem(init_pid: int, proc: str) -> str:
             if sys_resource is None:
                 sys_resource = has_sys_resource(proc=proc)
             if not sys_resource:
+                ids = f"{_ids('uid', process.uids)}, {_ids('gid', process.gids)}"
                 return (
-                    f"{process.describe()} runs as uid {process.uids[0]}, gid "
-                    f"{process.gids[0]}, and CRIU (root) can read another user's resource "
-                    "limits only with CAP_SYS_RESOURCE, which this node's capability "
-                    "bounding set lacks (`cedana doctor` shows it); add CAP_SYS_RESOURCE "
-                    "to the bounding set containerd runs with (systemd: "
+                    f"{process.describe()} runs as {ids}, and CRIU (root) can read another "
+                    "user's resource limits only with CAP_SYS_RESOURCE, which this node's "
+                    "capability bounding set lacks (`cedana doctor` shows it); add "
+                    "CAP_SYS_RESOURCE to the bounding set containerd runs with (systemd: "
                     "CapabilityBoundingSet= in its unit), or run the container's processes "
                     "as root"
                 )
@@ -114,6 +114,12 @@ def _problem(init_pid: int, proc: str) -> str:
                 "applications that fall back without it)"
             )
     return ""
+
+
+def _ids(kind: str, ids: tuple[int, ...]) -> str:
+    if len(set(ids)) == 1:
+        return f"{kind} {ids[0]}"
+    return f"{kind}s {', '.join(map(str, ids))} (real, effective, saved)"
 
 
 def _tree(init_pid: int, proc: str) -> Iterator[Proc]:
