@@ -11,9 +11,11 @@ in a cgroup nobody removes. Newer runc passes CRIU the unified hierarchy's root
 
 This module works out that same cgroup beforehand, from the spec, the way runc's
 cgroup managers name it, and writes it as CRIU's ``cgroup-root :<path>`` into a
-config file that ``runc restore`` hands CRIU through ``CRIU_CONFIG_FILE``. (Equal
-to what a newer runc passes, it changes nothing there.) CRIU's cgroup namespace
-handling then roots a restored cgroup namespace at the new cgroup, as it should.
+config file that ``runc restore`` hands CRIU through ``CRIU_CONFIG_FILE``. Where a
+newer runc passes the root itself the two agree (were they to differ, CRIU would refuse
+the restore, "CG paths mismatch", rather than restore elsewhere). CRIU's cgroup
+namespace handling then roots a restored cgroup namespace at the new cgroup (the CRI's
+containers have one on cgroup v2).
 """
 
 from __future__ import annotations
