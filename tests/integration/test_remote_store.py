@@ -18,13 +18,14 @@ from pathlib import Path
 
 import pytest
 from cedana_shim.checkpoint.remote import Outbox, RemoteCheckpoint, RemoteStore, sync
-from cedana_shim.checkpoint.remote.manifest import ARTIFACT_TYPE
-from cedana_shim.checkpoint.remote.tags import tag_for
+from cedana_shim.checkpoint.remote.manifest import ARTIFACT_TYPE, MARKER_FRESH_S
+from cedana_shim.checkpoint.remote.tags import PENDING_SUFFIX, tag_for
 from cedana_shim.checkpoint.store import Store
 from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_MANIFEST
 from cedana_shim.cli import admin
-from cedana_shim.errors import DataLoss, NotFound, ResourceExhausted
+from cedana_shim.errors import DataLoss, NotFound, ResourceExhausted, ShimError
 from cedana_shim.registry import RegistryConfig
+from support.forged import RECORDED_TAR_BYTES, forge, push_forged, zstd_bomb
 
 from .harness.registry import Registry, TlsFiles, make_test_ca, skopeo
 from .harness.remote_support import (
@@ -212,9 +213,11 @@ def test_a_push_killed_half_way_is_resumed_by_sync(
     )  # fmt: skip
     assert child.returncode == -signal.SIGKILL, child.stderr
     remote = remote_store(store, settings)
-    (marker,) = remote.in_flight(SCOPE, "trainer", max_age=3600)
+    # Killed, it could not remove its marker: counted until it would have beaten again.
+    (marker,) = remote.in_flight(SCOPE, "trainer")
     assert marker.checkpoint_id == entry.id and not marker.complete and marker.node == NODE
-    assert remote.in_flight(SCOPE, "trainer", max_age=0) == []  # its pusher is long gone
+    silent = datetime.now(UTC) + timedelta(seconds=MARKER_FRESH_S + 1)
+    assert remote.in_flight(SCOPE, "trainer", now=silent) == []  # its pusher is gone
     assert remote.candidates(SCOPE, "trainer") == []
     result = sync(remote, outbox)
     assert result.pushed == [entry.id]
@@ -222,7 +225,7 @@ def test_a_push_killed_half_way_is_resumed_by_sync(
     resumed = [p for p in _client(remote).pushes if not p.existed and p.resumed_from]
     assert len(resumed) == 1 and resumed[0].resumed_from >= 2 * MiB
     assert _client(remote).sent <= layer.size - resumed[0].resumed_from + MiB
-    assert remote.in_flight(SCOPE, "trainer", max_age=3600) == []  # the tag superseded it
+    assert remote.in_flight(SCOPE, "trainer") == []  # the tag superseded it
     other = open_store(tmp_path / "store-b")
     other.verify(remote_store(other, settings).pull(remote.candidates(SCOPE, "trainer")[0]))
 
@@ -237,17 +240,70 @@ def test_the_in_flight_marker_is_visible_while_a_push_runs(
 
     def progress(done: int, total: int) -> None:
         if not seen:
-            seen.append(watcher.in_flight(SCOPE, "trainer", max_age=60))
+            seen.append(watcher.in_flight(SCOPE, "trainer"))
 
     remote.push(entry.id, progress)
     (marker,) = seen[0]
     assert marker.checkpoint_id == entry.id and marker.node == NODE and not marker.complete
-    assert watcher.in_flight(SCOPE, "trainer", max_age=60) == []
+    assert watcher.in_flight(SCOPE, "trainer") == []
     listed = watcher.list(SCOPE)
     assert [(r.checkpoint_id, r.complete) for r in listed] == [(entry.id, True)]
 
 
+def test_a_push_that_fails_removes_its_marker(
+    store: Store, settings: RegistryConfig, tmp_path: Path
+) -> None:
+    """The registry answers but the push fails (a chunk of the checkpoint is damaged on
+    this node, so its upload is refused): the marker goes with it, and no start on
+    another node waits for a push that will not land. Before, it stayed, and every start
+    of the label waited label_wait_timeout for it."""
+    entry = commit_checkpoint(store, _files(os.urandom(2 * MiB)))
+    chunk = entry.layer("criu").chunks[1]
+    blob = Path(store.root, "blobs", "sha256", chunk.digest.removeprefix("sha256:"))
+    damaged = bytearray(blob.read_bytes())
+    damaged[10] ^= 0xFF
+    blob.write_bytes(bytes(damaged))
+    remote = remote_store(store, settings)
+    watcher = remote_store(open_store(tmp_path / "store-b"), settings, node="node-b")
+    seen: list[list[RemoteCheckpoint]] = []
+
+    def progress(done: int, total: int) -> None:
+        if not seen:
+            seen.append(watcher.in_flight(SCOPE, "trainer"))
+
+    with pytest.raises(ShimError):
+        remote.push(entry.id, progress)
+    assert [m.checkpoint_id for m in seen[0]] == [entry.id]  # it was there during the push
+    tags = list(_client(remote).list_tags(f"cedana/{SCOPE}"))
+    assert not [t for t in tags if t.endswith(PENDING_SUFFIX)], tags
+    assert watcher.in_flight(SCOPE, "trainer") == []
+    assert watcher.candidates(SCOPE, "trainer") == []
+
+
 # -- what the registry sends is not trusted ----------------------------------------------------
+
+
+def test_a_zstd_bomb_is_refused_at_its_recorded_size_and_fills_no_disk(
+    store: Store, settings: RegistryConfig, tmp_path: Path
+) -> None:
+    """Someone able to push published a newer checkpoint whose CRIU layer's tar is a
+    zstd bomb (a few KiB that expand to 256 MiB, recorded as 4 KiB). Pulled onto a node
+    whose store has 128 MiB: refused at the recorded size while the pull unpacks that
+    tar, nothing of it left. Before, the unpacking filled the disk (ResourceExhausted)."""
+    entry = commit_checkpoint(store, _files(os.urandom(MiB)))
+    newer = datetime.fromisoformat(entry.created) + timedelta(minutes=1)
+    forged = forge(store, entry, newer, bomb=zstd_bomb(256 * MiB))
+    assert len(forged.blobs) == 2 and max(len(b) for b in forged.blobs.values()) < 64 << 10
+    push_forged(remote_store(store, settings).client, store, forged, NODE, scope=SCOPE)
+    with tmpfs(tmp_path / "small", 128) as small:
+        other = open_store(small / "store")
+        puller = remote_store(other, settings, node="node-b")
+        (candidate,) = puller.candidates(SCOPE, "trainer")
+        assert candidate.checkpoint_id == forged.id
+        with pytest.raises(DataLoss, match=f"more than the {RECORDED_TAR_BYTES} bytes recorded"):
+            puller.pull(candidate)
+        assert other.list() == [] and staging_dirs(other) == []
+        assert not os.listdir(os.path.join(other.root, "blobs", "sha256"))
 
 
 def test_a_corrupt_blob_in_the_registry_fails_the_pull_and_leaves_nothing(
@@ -396,6 +452,28 @@ def test_prune_deletes_superseded_checkpoints_when_the_registry_allows(
         else:
             assert removed == [] and left == list(reversed(ids))
             assert caplog.text.count("refuses deletes") == 1
+
+
+def test_retention_keeps_the_good_checkpoints_over_one_that_failed_here(
+    settings: RegistryConfig, tmp_path: Path
+) -> None:
+    """Three good checkpoints of the label and a forged newer one in the registry; a
+    start on this node tried the forged one and recorded that it failed. Retention to
+    three deletes the forged one, not the oldest good one."""
+    store = open_store(tmp_path / "store", retain=0)
+    remote = remote_store(store, settings)
+    good = [remote.push(commit_checkpoint(store, _files(os.urandom(64 << 10))).id).checkpoint_id
+            for _ in range(3)]  # fmt: skip
+    newest = store.get(good[-1])
+    newer = datetime.fromisoformat(newest.created) + timedelta(minutes=1)
+    forged = forge(store, newest, newer, bomb=zstd_bomb(MiB))
+    tag = push_forged(remote.client, store, forged, "node-x", scope=SCOPE)
+    assert [c.checkpoint_id for c in remote.candidates(SCOPE, "trainer")] == [
+        forged.id, *reversed(good),
+    ]  # fmt: skip
+    store.record_failure(forged.id, "cannot pull it: refused at its recorded size", tag=tag.tag)
+    assert remote.prune(SCOPE, "trainer", keep=3) == [forged.id]
+    assert [c.checkpoint_id for c in remote.candidates(SCOPE, "trainer")] == list(reversed(good))
 
 
 def test_pull_of_a_checkpoint_not_in_the_registry_is_not_found(

@@ -133,7 +133,7 @@ def test_a_second_checkpoint_that_rewrote_a_tenth_writes_little(store: Store, sh
     assert [c.checkpoint_id for c in remote.candidates(SCOPE, "trainer")] == [second.id, first.id]
 
 
-def test_a_push_that_dies_half_way_leaves_its_marker_and_no_tag(
+def test_a_push_that_fails_half_way_removes_its_marker_and_leaves_no_tag(
     store: Store, shared: Path, tmp_path: Path
 ) -> None:
     entry = commit_checkpoint(store, _files(os.urandom(PAGES)))
@@ -142,23 +142,27 @@ def test_a_push_that_dies_half_way_leaves_its_marker_and_no_tag(
     failing = _dir(remote)
     real_push = SharedDirectory.push_blob
     calls: list[str] = []
+    seen: list[list[RemoteCheckpoint]] = []
 
     def dies_on_the_fourth_blob(repo: str, digest: str, *args: Any, **kw: Any) -> PushResult:
         calls.append(digest)
         if len(calls) == 4:
+            seen.append(watcher.in_flight(SCOPE, "trainer"))  # while the push runs
             raise OSError(5, "Input/output error")
         return real_push(failing, repo, digest, *args, **kw)
 
     failing.push_blob = dies_on_the_fourth_blob  # type: ignore[method-assign]
     with pytest.raises(OSError, match="Input/output"):
         remote.push(entry.id)
-    assert watcher.candidates(SCOPE, "trainer") == []
-    (marker,) = watcher.in_flight(SCOPE, "trainer", max_age=60)
+    (marker,) = seen[0]
     assert marker.checkpoint_id == entry.id and marker.node == NODE and not marker.complete
-    assert watcher.in_flight(SCOPE, "trainer", max_age=0) == []  # its owner died long ago
+    # Failed: its marker is gone (before, it stayed and starts waited for it).
+    assert watcher.candidates(SCOPE, "trainer") == []
+    assert watcher.in_flight(SCOPE, "trainer") == []
+    assert not [t for t in failing.list_tags(failing.repository_for(SCOPE)) if "pending" in t]
     del failing.push_blob
     remote.push(entry.id)  # taken up again: only what is missing is written
-    assert watcher.in_flight(SCOPE, "trainer", max_age=60) == []
+    assert watcher.in_flight(SCOPE, "trainer") == []
     assert [c.checkpoint_id for c in watcher.candidates(SCOPE, "trainer")] == [entry.id]
 
 

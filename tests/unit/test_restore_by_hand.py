@@ -309,7 +309,7 @@ class FakeRegistry:
     def list(self, scope: str) -> list[RemoteCheckpoint]:
         return [self.candidate]
 
-    def in_flight(self, scope: str, label: str, *, max_age: float) -> list[RemoteCheckpoint]:
+    def in_flight(self, scope: str, label: str, **_: object) -> list[RemoteCheckpoint]:
         return []
 
     def fetch_metadata(self, remote: RemoteCheckpoint) -> Mapping[str, object]:

@@ -456,15 +456,14 @@ class RestoreSession:
             )
 
     async def _pushes_in_flight(self, scope: str, label: str) -> list[str]:
-        """Checkpoints of the label another node is still pushing (newer than any
-        complete one; a push older than checkpoint_timeout lost its owner)."""
+        """Checkpoints of the label another node is really still pushing: newer than any
+        complete one, their marker refreshed lately by its pusher and not from the
+        future (a failed push removes its marker, a dead pusher stops refreshing it)."""
         if self._remote is None:
             return []
         try:
             remote = self._remote()
-            pushing = await asyncio.to_thread(
-                remote.in_flight, scope, label, max_age=self.config.checkpoint_timeout
-            )
+            pushing = await asyncio.to_thread(remote.in_flight, scope, label)
         except (ShimError, OSError):
             return []  # an unreachable registry is reported by the listing
         return [f"{p.checkpoint_id} (being pushed by {p.node})" for p in pushing]

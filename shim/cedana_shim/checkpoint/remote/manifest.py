@@ -7,7 +7,10 @@ checkpointctl defines, where the checkpoint's metadata has their value, and ours
 (``cedana.ai/checkpoint.id``, ``.scope``, ``.namespace``, ``.label``, ``.node``).
 
 The in-flight marker of a push is a tiny manifest of its own (an empty config, no
-layers) under ``<tag>.pending``, whose annotations say who pushes what since when.
+layers) under ``<tag>.pending``, whose annotations say who pushes what since when,
+and when the pusher last said it is still at it (``cedana.ai/push.heartbeat``: it
+puts the marker again every HEARTBEAT_S, heartbeat.py). :meth:`Marker.why_not_live`
+says whether a marker stands for a push really in flight.
 
 Everything read from the registry is untrusted: :func:`parse_checkpoint_manifest`
 allows only the keys written here, parses with the store's strict parsers and checks
@@ -20,7 +23,7 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Final
 
 from cedana_shim import errors
@@ -45,10 +48,14 @@ from .tags import CheckpointTag, encode_label, node_hash
 __all__ = [
     "ANN_NAMESPACE",
     "ANN_NODE",
+    "ANN_PUSH_HEARTBEAT",
     "ANN_PUSH_STARTED",
     "ARTIFACT_TYPE",
+    "CLOCK_SKEW_S",
     "EMPTY_CONFIG",
     "EMPTY_DIGEST",
+    "HEARTBEAT_S",
+    "MARKER_FRESH_S",
     "PENDING_ARTIFACT_TYPE",
     "Marker",
     "check_node",
@@ -63,6 +70,14 @@ PENDING_ARTIFACT_TYPE: Final = "application/vnd.cedana.checkpoint.pending.v1"
 ANN_NAMESPACE: Final = "cedana.ai/checkpoint.namespace"
 ANN_NODE: Final = "cedana.ai/checkpoint.node"
 ANN_PUSH_STARTED: Final = "cedana.ai/push.started"
+ANN_PUSH_HEARTBEAT: Final = "cedana.ai/push.heartbeat"
+# A pusher puts its marker again this often; one not refreshed for MARKER_FRESH_S lost
+# its pusher (or the pusher its registry), and one dated more than CLOCK_SKEW_S ahead
+# of this node's clock is not believed. Fresh allows for a put taking a few registry
+# timeouts and a clock CLOCK_SKEW_S behind: far shorter than a checkpoint_timeout.
+HEARTBEAT_S: Final = 10.0
+MARKER_FRESH_S: Final = 60.0
+CLOCK_SKEW_S: Final = 30.0
 MEDIA_TYPE_EMPTY: Final = "application/vnd.oci.empty.v1+json"
 EMPTY_CONFIG: Final = b"{}"
 EMPTY_DIGEST: Final = "sha256:" + hashlib.sha256(EMPTY_CONFIG).hexdigest()
@@ -183,15 +198,35 @@ def parse_checkpoint_manifest(
 
 @dataclass(frozen=True)
 class Marker:
-    """What an in-flight marker says."""
+    """What an in-flight marker says (``created``: its checkpoint's, from the tag)."""
 
     checkpoint_id: str
     node: str
     started: datetime
+    heartbeat: datetime  # the push's start, for a marker of a shim that did not beat
+    created: datetime
+
+    def why_not_live(self, now: datetime) -> str:
+        """Why this marker stands for no push in flight at ``now``; "" when it does."""
+        ahead = max(self.created, self.started, self.heartbeat) - now
+        if ahead > timedelta(seconds=CLOCK_SKEW_S):
+            return f"dated {ahead.total_seconds():.0f}s in the future"
+        silent = (now - self.heartbeat).total_seconds()
+        if silent > MARKER_FRESH_S:
+            return (
+                f"its pusher {self.node} has not refreshed it for {silent:.0f}s "
+                "(it died, or failed)"
+            )
+        return ""
 
 
 def marker_manifest(
-    checkpoint_id: str, scope: str, label: str, node: str, started: datetime
+    checkpoint_id: str,
+    scope: str,
+    label: str,
+    node: str,
+    started: datetime,
+    heartbeat: datetime | None = None,
 ) -> bytes:
     config = Descriptor(MEDIA_TYPE_EMPTY, EMPTY_DIGEST, len(EMPTY_CONFIG))
     return dump_json(
@@ -207,6 +242,7 @@ def marker_manifest(
                 ANN_LABEL: label,
                 ANN_NODE: node,
                 ANN_PUSH_STARTED: format_created(started),
+                ANN_PUSH_HEARTBEAT: format_created(heartbeat or started),
             },
         }
     )
@@ -230,4 +266,8 @@ def parse_marker(data: bytes, where: str, tag: CheckpointTag) -> Marker:
     started = parse_created(annotations.get(ANN_PUSH_STARTED))
     if started is None:
         raise errors.DataLoss(f"{where}: annotation {ANN_PUSH_STARTED} is not RFC 3339")
-    return Marker(tag.checkpoint_id, node, started)
+    beat = annotations.get(ANN_PUSH_HEARTBEAT)
+    heartbeat = started if beat is None else parse_created(beat)
+    if heartbeat is None:
+        raise errors.DataLoss(f"{where}: annotation {ANN_PUSH_HEARTBEAT} is not RFC 3339")
+    return Marker(tag.checkpoint_id, node, started, heartbeat, tag.created)

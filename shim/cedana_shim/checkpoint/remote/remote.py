@@ -5,10 +5,12 @@ checkpoint (tags.py). A push writes, in this order: the in-flight marker
 ``<tag>.pending`` (manifest.py), every blob the registry lacks (chunked, resumable:
 a push killed half way and run again sends only what is missing; a raw checkpoint's
 chunks as its compaction writes them, sender.py), the manifest under its tag LAST
-(the commit point: a tag always names a whole checkpoint), then deletes the marker
-(a registry that refuses deletes keeps it, superseded by the tag). Listing reads the
-tag list only; manifests are read for what a tag does not say (a hashed label, a
-marker's start time). See pull.py for pulls.
+(the commit point: a tag always names a whole checkpoint). All the while the marker
+is put again every few seconds (heartbeat.py), and when the push ends, done or
+failed, it is deleted (a registry that refuses deletes keeps it: superseded by the
+tag, or stale once no longer refreshed). Listing reads the tag list only; manifests
+are read for what a tag does not say (a hashed label, a marker's heartbeat). See
+pull.py for pulls.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from cedana_shim.checkpoint.store.failures import failed_last, has_failed
 from cedana_shim.checkpoint.store.layout import ANN_LABEL, MEDIA_TYPE_MANIFEST, parse_manifest
 from cedana_shim.registry import Registry, RegistryClient, RegistryConfig
 
+from .heartbeat import MarkerHeartbeat
 from .manifest import (
     EMPTY_CONFIG,
     EMPTY_DIGEST,
+    HEARTBEAT_S,
     check_node,
     checkpoint_manifest,
     is_node_name,
@@ -72,6 +76,7 @@ class RemoteStore:
         # Checkpoints kept per label in the registry after a sync pushed to it (the
         # node config's `retain`); 0 prunes nothing.
         self.retain = retain
+        self.heartbeat_s = HEARTBEAT_S  # how often a push puts its marker again
         self._deletes_refused = False
         self._lock = threading.Lock()
 
@@ -129,18 +134,36 @@ class RemoteStore:
             return remote  # the tag is written last: everything is there
         started = datetime.now(UTC)
         what = f"checkpoint {entry.id}"
-        with BlobSender(self.client, repo, what, progress) as sender:
-            marker = sender.first(
-                lambda: self._put_marker(repo, tag.tag + PENDING_SUFFIX, entry, origin, started)
+
+        def put_marker(beat: datetime) -> str:
+            """The in-flight marker, beating at ``beat``; its digest."""
+            marker = marker_manifest(entry.id, entry.scope, entry.label, origin, started, beat)
+            return self.client.put_manifest(
+                repo, tag.tag + PENDING_SUFFIX, marker, MEDIA_TYPE_MANIFEST
             )
-            if entry.state == "raw":
-                entry = self._compact(entry.id, sender, on_compacted, niced)
-            local = self.store.checkpoint_manifest(entry)
-            manifest = checkpoint_manifest(local, entry.metadata, entry.scope, origin)
-            blobs = manifest_blobs(parse_manifest(local, f"{what}: manifest"))
-            sender.finish(blobs, lambda digest: self._source(digest, f"{what}: blob {digest}"))
-        self.client.put_manifest(repo, tag.tag, manifest, MEDIA_TYPE_MANIFEST)
-        self._delete(repo, marker.result(), quiet=True)
+
+        def first_marker() -> str:
+            # The empty config it names first: a registry checks that it has it.
+            self.client.push_blob(repo, EMPTY_DIGEST, len(EMPTY_CONFIG), _bytes(EMPTY_CONFIG))
+            return put_marker(started)
+
+        with BlobSender(self.client, repo, what, progress) as sender:
+            first = sender.first(first_marker)
+            # Closed (the marker deleted) when the push ends, whichever way it does.
+            with MarkerHeartbeat(
+                first,
+                put_marker,
+                lambda digest: self._delete(repo, digest, quiet=True),
+                what,
+                interval=self.heartbeat_s,
+            ):
+                if entry.state == "raw":
+                    entry = self._compact(entry.id, sender, on_compacted, niced)
+                local = self.store.checkpoint_manifest(entry)
+                manifest = checkpoint_manifest(local, entry.metadata, entry.scope, origin)
+                blobs = manifest_blobs(parse_manifest(local, f"{what}: manifest"))
+                sender.finish(blobs, lambda d: self._source(d, f"{what}: blob {d}"))
+                self.client.put_manifest(repo, tag.tag, manifest, MEDIA_TYPE_MANIFEST)
         log.info(
             "checkpoint pushed",
             extra={"checkpoint": entry.id, "registry": self.client.host, "tag": tag.tag},
@@ -152,18 +175,6 @@ class RemoteStore:
         if entry.damage is not None:
             raise errors.DataLoss(f"checkpoint {entry.id} is damaged: {entry.damage}")
         return entry
-
-    def _put_marker(
-        self, repo: str, marker_tag: str, entry: Entry, origin: str, started: datetime
-    ) -> str:
-        """The in-flight marker (and the empty config it names); its digest."""
-        self.client.push_blob(repo, EMPTY_DIGEST, len(EMPTY_CONFIG), _bytes(EMPTY_CONFIG))
-        return self.client.put_manifest(
-            repo,
-            marker_tag,
-            marker_manifest(entry.id, entry.scope, entry.label, origin, started),
-            MEDIA_TYPE_MANIFEST,
-        )
 
     def _compact(
         self,
@@ -200,20 +211,19 @@ class RemoteStore:
         tags = [t for t in self._tags(repo) if not t.pending and t.label_part == part]
         return [self._remote(repo, t, label, complete=True) for t in _newest_first(tags)]
 
-    def in_flight(self, scope: str, label: str, *, max_age: float) -> _Remotes:
-        """Pushes of (scope, label) begun, not complete, newer than the newest complete
-        checkpoint and begun less than ``max_age`` seconds ago (a pusher that died is
-        forgotten after that), newest first."""
+    def in_flight(self, scope: str, label: str, *, now: datetime | None = None) -> _Remotes:
+        """Pushes of (scope, label) really in flight at ``now`` (default: now): begun,
+        not complete, newer than the newest complete checkpoint, their marker refreshed
+        lately by its pusher and not dated in the future (manifest.Marker), newest first."""
         repo = self.client.repository_for(scope)
         part = encode_label(label)
         tags = [t for t in self._tags(repo) if t.label_part == part]
-        return self._in_flight(repo, tags, label, max_age)
+        return self._in_flight(repo, tags, label, now or datetime.now(UTC))
 
-    def _in_flight(self, repo: str, tags: _Tags, label: str | None, max_age: float) -> _Remotes:
+    def _in_flight(self, repo: str, tags: _Tags, label: str | None, now: datetime) -> _Remotes:
         complete = {t.base for t in tags if not t.pending}
         newest = max((t.created for t in tags if not t.pending), default=None)
         found: _Remotes = []
-        now = datetime.now(UTC)
         for tag in _newest_first(t for t in tags if t.pending and t.base not in complete):
             if newest is not None and tag.created <= newest:
                 continue
@@ -226,7 +236,9 @@ class RemoteStore:
             except errors.DataLoss as err:
                 log.warning("skipping an in-flight marker: %s", err)
                 continue
-            if (now - marker.started).total_seconds() > max_age:
+            why = marker.why_not_live(now)
+            if why:
+                log.info("ignoring the in-flight marker %s: %s", where, why)
                 continue
             name = label if label is not None else (tag.label or "")
             found.append(self._remote(repo, tag, name, complete=False, node=marker.node))
@@ -251,7 +263,7 @@ class RemoteStore:
             for tag in tags:
                 if not tag.pending:
                     found.append(self._remote(repo, tag, self._label_of(repo, tag), complete=True))
-            found += self._in_flight(repo, tags, None, float("inf"))
+            found += self._in_flight(repo, tags, None, datetime.now(UTC))
         return sorted(found, key=lambda r: (r.created, r.checkpoint_id), reverse=True)
 
     def _label_of(self, repo: str, tag: CheckpointTag) -> str:
