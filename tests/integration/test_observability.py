@@ -42,13 +42,14 @@ from typing import Any
 
 import pytest
 import yaml  # type: ignore[import-untyped, unused-ignore]
+from support.sockets import closed_by_peer
 
 from .harness.containerd import Containerd
 from .harness.cr_events import TOPIC_RESTORE, EventStream
 from .harness.cr_support import ShimLog, wait_ticks
 from .harness.cri import CriClient
 from .harness.cri_apps import start_app, stop_app
-from .harness.util import wait_for
+from .harness.util import WaitAborted, wait_for
 from .test_helm_chart import CHART, helm, run  # noqa: F401 - `helm` is a fixture
 
 PROMTOOL = "/usr/bin/promtool"
@@ -120,10 +121,21 @@ def _free_port() -> int:
 @dataclasses.dataclass(frozen=True)
 class Agent:
     log: Path
-    pid: int
+    process: subprocess.Popen[bytes]
 
     def threads(self) -> int:
-        return len(os.listdir(f"/proc/{self.pid}/task"))
+        return len(os.listdir(f"/proc/{self.process.pid}/task"))
+
+    def serving(self, port: int) -> str:
+        """Its first scrape; fails at once, with its log, if it exits instead."""
+
+        def scraped() -> str:
+            if self.process.poll() is not None:
+                tail = self.log.read_text(errors="replace")[-3000:]
+                raise WaitAborted(f"the agent exited {self.process.returncode}:\n{tail}")
+            return scrape(port)
+
+        return wait_for(scraped, timeout=60, what=f"metrics, agent log: {self.log}")
 
 
 @contextlib.contextmanager
@@ -141,7 +153,7 @@ def node_agent(containerd: Containerd, api: ApiStandIn, port: int) -> Iterator[A
     with open(log, "wb") as out:
         agent = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
-        yield Agent(log, agent.pid)
+        yield Agent(log, agent)
     finally:
         agent.send_signal(signal.SIGTERM)
         try:
@@ -255,23 +267,13 @@ def _refused(host: str, port: int) -> bool:
     return False
 
 
-def _closed_by_agent(sock: socket.socket) -> bool:
-    sock.settimeout(0)
-    try:
-        return sock.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except ConnectionResetError:
-        return True
-
-
 @pytest.mark.ctrd_versions("2.1")
 def test_the_agent_serves_metrics_on_loopback_unless_told(containerd: Containerd) -> None:
     port = _free_port()
     api = ApiStandIn()
     try:
         with node_agent(containerd, api, port) as agent:
-            wait_for(lambda: scrape(port), timeout=60, what=f"metrics, agent log: {agent.log}")
+            agent.serving(port)
             # All of 127/8 is loopback: an agent on every address answers on 127.0.0.2.
             assert _refused("127.0.0.2", port)
     finally:
@@ -289,13 +291,13 @@ def test_idle_metrics_connections_hold_no_thread_and_are_dropped(containerd: Con
     idle: list[socket.socket] = []
     try:
         with node_agent(containerd, api, port) as agent:
-            wait_for(lambda: scrape(port), timeout=60, what=f"metrics, agent log: {agent.log}")
+            agent.serving(port)
             threads = agent.threads()
             idle = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(count)]
             # The agent has taken them in: it closes the oldest silent ones to make room
             # (a thread-per-connection server starts a thread for each instead).
             wait_for(
-                lambda: any(map(_closed_by_agent, idle)) or agent.threads() > threads + count // 2,
+                lambda: any(map(closed_by_peer, idle)) or agent.threads() > threads + count // 2,
                 timeout=60,
                 what="the agent to take the idle connections in",
             )
@@ -303,7 +305,7 @@ def test_idle_metrics_connections_hold_no_thread_and_are_dropped(containerd: Con
             assert agent.threads() < threads + 10, (threads, agent.threads())
             assert "cedana_build_info" in scrape(port)
             wait_for(
-                lambda: all(map(_closed_by_agent, idle)),
+                lambda: all(map(closed_by_peer, idle)),
                 timeout=90,
                 what="every idle connection to be dropped",
             )

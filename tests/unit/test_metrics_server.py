@@ -17,6 +17,7 @@ import pytest
 from cedana_shim.node.metrics_server import MetricsServer
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS
+from support.sockets import closed_by_peer
 
 MAX = 8
 
@@ -50,16 +51,6 @@ def get(url: str, **headers: str) -> tuple[dict[str, str], bytes]:
         return dict(resp.headers), resp.read()
 
 
-def closed_by_server(sock: socket.socket) -> bool:
-    sock.settimeout(0)
-    try:
-        return sock.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except ConnectionResetError:
-        return True
-
-
 def test_a_scrape_gets_prometheus_clients_own_exposition(
     server: MetricsServer, registry: CollectorRegistry
 ) -> None:
@@ -79,11 +70,11 @@ def test_idle_connections_hold_no_thread_and_are_dropped_while_scrapes_go_on(
     idle = [socket.create_connection(server.address, timeout=30) for _ in range(300)]
     try:
         # Each one past MAX closed the oldest silent one as it came in.
-        wait_until(lambda: all(map(closed_by_server, idle[:-MAX])), "the older ones closed")
+        wait_until(lambda: all(map(closed_by_peer, idle[:-MAX])), "the older ones closed")
         assert threading.active_count() == threads
         assert get(server.url)[1] == generate_latest(registry)
         # The last MAX ones (the scrape took the place of one) after the timeout.
-        wait_until(lambda: all(map(closed_by_server, idle)), "the timeout of the rest")
+        wait_until(lambda: all(map(closed_by_peer, idle)), "the timeout of the rest")
         assert threading.active_count() == threads
     finally:
         for sock in idle:
