@@ -14,8 +14,13 @@ environment). A labelled counter checkpointed on A resumes on B, whose store is 
   pushes it once the registry is back; then B resumes from it;
 - namespaces stay apart across nodes: B in another namespace starts cold;
 - a container starting on B while A's push is still in flight (its marker in the
-  registry) waits for it and resumes from it; a registry that never answers does not
-  wedge a start; retention applies in the registry;
+  registry, refreshed by its pusher) waits for it and resumes from it; a marker dated
+  in the future, or one its pusher stopped refreshing (a push that failed), delays no
+  start; a registry that never answers does not wedge a start; retention applies in
+  the registry;
+- a forged checkpoint someone pushed to the registry, newer than the label's good
+  ones (its CRIU layer a zstd bomb), is refused at its recorded size, does not stay
+  in the node's store, and is not tried first again; the label's history stays;
 - the same move through the CRI: a pod deleted on A resumes in a new pod on B.
 """
 
@@ -28,21 +33,23 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from cedana_shim.checkpoint.remote import Outbox
 from cedana_shim.checkpoint.remote.manifest import EMPTY_CONFIG, EMPTY_DIGEST, marker_manifest
-from cedana_shim.checkpoint.remote.tags import PENDING_SUFFIX, tag_for
-from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_MANIFEST
+from cedana_shim.checkpoint.remote.tags import PENDING_SUFFIX, node_hash, tag_for
+from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_MANIFEST, format_created
 from cedana_shim.registry import RegistryClient
 from support.cpuinfo import this_cpu, unfit
+from support.forged import RECORDED_TAR_BYTES, MiB, forge, push_forged, zstd_bomb
 
 from .conftest import MakeNode
 from .harness.config import CTR_NAMESPACE, SHIM_BIN_DIR
@@ -55,11 +62,13 @@ from .harness.cr_support import (
     assert_continues,
     counter_script,
     entries,
+    open_store,
     parse_ticks,
     restored_from,
     shim_pid,
     started_cold,
     unique_label,
+    wait_compacted,
     wait_ticks,
 )
 from .harness.cri_apps import start_app, stop_app
@@ -327,6 +336,46 @@ def test_retention_applies_in_the_registry(
         assert [e.id for e in entries(a.store, label=label)] == [second]
 
 
+@contextlib.contextmanager
+def _marker(
+    client: RegistryClient,
+    label: str,
+    created: datetime,
+    checkpoint_id: str,
+    node: str,
+    *,
+    started: datetime,
+    beat: datetime | None = None,
+) -> Iterator[None]:
+    """An in-flight marker in the registry, as a pusher writes it. ``beat`` None: kept
+    fresh while the block runs (put again every second, as a live pusher does); else
+    written once with that heartbeat (a pusher that stopped, or a forger's)."""
+    repo = client.repository_for(CTR_NAMESPACE)
+    tag = tag_for(label, format_created(created), checkpoint_id, node).tag + PENDING_SUFFIX
+    client.push_blob(repo, EMPTY_DIGEST, len(EMPTY_CONFIG), lambda _: io.BytesIO(EMPTY_CONFIG))
+
+    def put(heartbeat: datetime) -> None:
+        marker = marker_manifest(checkpoint_id, CTR_NAMESPACE, label, node, started, heartbeat)
+        client.put_manifest(repo, tag, marker, MEDIA_TYPE_MANIFEST)
+
+    put(beat or datetime.now(UTC))
+    ended = threading.Event()
+
+    def beating() -> None:
+        while not ended.wait(1.0):
+            put(datetime.now(UTC))
+
+    thread = threading.Thread(target=beating, daemon=True)
+    if beat is None:
+        thread.start()
+    try:
+        yield
+    finally:
+        ended.set()
+        if beat is None:
+            thread.join()
+
+
 def test_a_start_waits_for_a_push_still_in_flight(
     make_node: MakeNode,
     node_env: dict[str, str],
@@ -336,8 +385,9 @@ def test_a_start_waits_for_a_push_still_in_flight(
     new_id: NewId,
 ) -> None:
     """The newest checkpoint of the label is still being pushed by node A (its marker is
-    in the registry, its tag not yet) when the container starts on B: B waits for it
-    instead of starting cold, and resumes from it once the push lands."""
+    in the registry, refreshed as A's push does, its tag not yet) when the container
+    starts on B: B waits for it instead of starting cold, and resumes from it once the
+    push lands."""
     label = unique_label("inflight")
     script = counter_script()
     with (
@@ -350,26 +400,107 @@ def test_a_start_waits_for_a_push_still_in_flight(
         before = first.ticks()
         assert before is not None
         registry.start()
-        # A's push has begun: the marker it writes before any blob.
+        # A's push has begun: the marker it writes before any blob, and keeps fresh.
         entry = next(e for e in entries(n.a.store, label=label) if e.id == checkpoint)
         client = RegistryClient(registry_config(registry, tls, tmp_path))
-        repo = client.repository_for(CTR_NAMESPACE)
         node = str(entry.metadata["node"])
-        tag = tag_for(label, entry.created, entry.id, node)
-        client.push_blob(repo, EMPTY_DIGEST, len(EMPTY_CONFIG), lambda _: io.BytesIO(EMPTY_CONFIG))
-        started = datetime.now(UTC)
-        marker = marker_manifest(entry.id, CTR_NAMESPACE, label, node, started)
-        client.put_manifest(repo, tag.tag + PENDING_SUFFIX, marker, MEDIA_TYPE_MANIFEST)
-
+        created = datetime.fromisoformat(entry.created)
         log_b = ShimLog(n.b)
-        starting = pool.submit(n.on_b.start, "b")  # its Create waits for the push
-        waiting = log_b.wait("waiting for a checkpoint of the label being written", label=label)
-        assert any(checkpoint in w for w in waiting["writers"]), waiting
+        with _marker(client, label, created, entry.id, node, started=datetime.now(UTC)):
+            starting = pool.submit(n.on_b.start, "b")  # its Create waits for the push
+            waiting = log_b.wait("waiting for a checkpoint of the label being written", label=label)
+            assert any(checkpoint in w for w in waiting["writers"]), waiting
+            assert not starting.done()
         synced = _cli(n.a, node_env, "checkpoints", "sync", "--json")  # the push completes
         assert synced.returncode == 0, synced.stderr
         second = starting.result(timeout=120)
         restored_from(n.events_b, second, checkpoint)
         assert_continues(before, wait_ticks(second.lines, count=3), "restore after the wait")
+
+
+@pytest.mark.parametrize("marker", ["future", "stale"])
+def test_a_start_does_not_wait_for_a_marker_of_no_live_push(
+    make_node: MakeNode,
+    node_env: dict[str, str],
+    registry: Registry,
+    tls: TlsFiles,
+    tmp_path: Path,
+    new_id: NewId,
+    marker: str,
+) -> None:
+    """A marker of the label newer than its checkpoint, but dated a day ahead (a forger's:
+    its checkpoint, its start, its heartbeat), or left by a push that failed five minutes
+    ago (under checkpoint_timeout): B, with label_wait_timeout 60 s, restores the label's
+    checkpoint at once. Before, it waited the whole 60 s and then said so."""
+    env = {**node_env, "CEDANA_LABEL_WAIT_TIMEOUT": "60"}
+    label = unique_label(marker)
+    with two_nodes(make_node, env, new_id, label, counter_script()) as n:
+        checkpoint = _stop(n.on_a, n.on_a.start("a"), n.events_a)
+        client = RegistryClient(registry_config(registry, tls, tmp_path))
+        now = datetime.now(UTC)
+        when = now + timedelta(days=1) if marker == "future" else now - timedelta(minutes=5)
+        created = when if marker == "future" else now
+        pending = f"{created:%Y%m%dT%H%M%S}Z-{uuid.uuid4().hex[:8]}"
+        log_b = ShimLog(n.b)
+        with _marker(client, label, created, pending, "node-x", started=when, beat=when):
+            second = n.on_b.start("b")
+            outcome = restored_from(n.events_b, second, checkpoint)
+        assert outcome.field("detail") == "", outcome
+        assert not log_b.find("waiting for a checkpoint of the label being written")
+
+
+def test_a_forged_newer_checkpoint_in_the_registry_changes_nothing_on_a_node(
+    make_node: MakeNode,
+    node_env: dict[str, str],
+    registry: Registry,
+    tls: TlsFiles,
+    tmp_path: Path,
+    new_id: NewId,
+) -> None:
+    """Someone able to push to the registry published a checkpoint of the label newer
+    than its three good ones: a copy of the newest whose CRIU layer's tar is a zstd bomb
+    (256 MiB from a few KiB, its config saying 4 KiB). The next start pulls it first
+    (it is the newest), refuses it at the recorded size, and restores the newest good
+    one; the forged one is not left in the store, the three good ones stay (here and in
+    the registry), and the start after that restores the newest good one without
+    trying the forged one first. Before, it was committed to the store and tried first
+    by every start, and retention then dropped the good ones in its favour."""
+    env = {**node_env, "CEDANA_RETAIN": "3"}
+    a = make_node(env)
+    label = unique_label("forged")
+    with (
+        EventStream(a.socket) as events,
+        Workloads(a, new_id, label=label, script=counter_script(), namespace=CTR_NAMESPACE) as w,
+    ):
+        good = [_stop(w, w.start("a0"), events)]
+        for i in (1, 2):
+            box = w.start(f"a{i}")
+            restored_from(events, box, good[-1])
+            good.append(_stop(w, box, events))
+        history = list(reversed(good))
+        assert _remote_ids(a, env, label) == history
+        store = open_store(a.store)
+        newest = wait_compacted(a.store, good[-1])
+        newer = datetime.fromisoformat(newest.created) + timedelta(minutes=1)
+        forged = forge(store, newest, newer, bomb=zstd_bomb(256 * MiB))
+        client = RegistryClient(registry_config(registry, tls, tmp_path))
+        push_forged(client, store, forged, "node-x", scope=CTR_NAMESPACE)
+        assert _remote_ids(a, env, label) == [forged.id, *history]
+
+        box = w.start("a3")
+        detail = str(restored_from(events, box, good[-1]).field("detail"))
+        hashed = node_hash("node-x")  # the tag names the node by its hash only
+        assert f"{forged.id} (registry, from node #{hashed}): cannot pull it" in detail, detail
+        assert f"more than the {RECORDED_TAR_BYTES} bytes recorded" in detail, detail
+        assert [e.id for e in entries(a.store, label=label)] == history
+        assert _remote_ids(a, env, label) == [forged.id, *history]
+        # No checkpoint at a SIGKILL: the next start chooses again, among the same.
+        w.ctr("task", "kill", "-s", "SIGKILL", box.cid)
+        events.wait_topic(TOPIC_EXIT, box.cid, timeout=60, id=box.cid)
+        w.delete(box)
+        again = w.start("a4")
+        assert restored_from(events, again, good[-1]).field("detail") == ""
+        assert [e.id for e in entries(a.store, label=label)] == history
 
 
 def test_a_hung_registry_does_not_wedge_a_start(
