@@ -50,6 +50,10 @@ TimeoutStartSec=infinity
 """
 RUN_SH = """#!/bin/sh
 # Written by vm.py for one run.
+# A node has an address besides loopback: without one, getaddrinfo's AI_ADDRCONFIG
+# (Slurm's daemons use it) resolves no name at all. A dummy link, nothing reaches out.
+ip link add cedana-vm0 type dummy && ip addr add 192.0.2.10/24 dev cedana-vm0 &&
+  ip link set cedana-vm0 up || echo "cedana-vm: no dummy network link"
 echo "cedana-vm: command starts at $(cut -d' ' -f1 /proc/uptime)s of guest uptime"
 (
   cd {cwd} || exit 125
