@@ -177,7 +177,8 @@ def _pieces(data: bytes) -> Callable[[IO[bytes]], None]:
 def test_a_chunk_that_expands_past_its_raw_size_is_refused_while_it_streams(
     source: tuple[Store, Entry], bomb: bytes, tmp_path: Path
 ) -> None:
-    """A page-image chunk decompressed into the raw-image cache as it downloads."""
+    """A page-image chunk decompressed into the raw-image cache as it downloads (bounded
+    before too, by a check of its own: now by the same RawBound as every other path)."""
     store, entry = source
     chunk = entry.layer("criu").chunks[0]
     manifest = parse_manifest(store.checkpoint_manifest(entry), "manifest")
