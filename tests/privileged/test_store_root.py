@@ -91,9 +91,23 @@ def test_enospc_is_resource_exhausted_and_leaves_the_store_as_it_was(
     store.verify(commit(store, files={"b.img": (b"b" * 1000, 0o600)}))  # usable again
 
 
-def test_enospc_while_extracting_leaves_nothing_behind(tiny_fs: Path, tmp_path: Path) -> None:
+def test_a_layer_larger_than_the_free_space_is_refused_before_extracting(
+    tiny_fs: Path, tmp_path: Path
+) -> None:
     store = make_store(tmp_path)
     entry = commit(store, files={"pages-1.img": (bytes(12 << 20), 0o600)})  # compresses to ~0
+    dest = tiny_fs / "restore" / "images"
+    with pytest.raises(errors.ResourceExhausted, match=r"needs \d+ bytes .* nothing was extracted"):
+        store.extract_layer(entry, "criu", str(dest))
+    assert os.listdir(tiny_fs / "restore") == []
+
+
+def test_enospc_while_extracting_leaves_nothing_behind(tiny_fs: Path, tmp_path: Path) -> None:
+    # The free-space check passes (a few hundred KB recorded), but each small file takes
+    # a whole page of the tmpfs: the disk fills part way through.
+    store = make_store(tmp_path)
+    files = {f"f{n:04}.img": (b"x" * 100, 0o600) for n in range(3000)}
+    entry = commit(store, files=files)
     dest = tiny_fs / "restore" / "images"
     with pytest.raises(errors.ResourceExhausted, match="no space left"):
         store.extract_layer(entry, "criu", str(dest))
