@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 # Extra pytest arguments, e.g. `make integration PYTEST_ARGS='-k cri -x'`.
 PYTEST_ARGS ?=
 
-.PHONY: setup venv check unit integration test demo
+.PHONY: setup venv check unit integration test demo vm-test
 
 setup:
 	bash scripts/setup-node-deps.sh
@@ -42,6 +42,7 @@ check:
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/mypy tests/integration
+	$(BIN)/mypy tests/vm
 	$(BIN)/mypy bench
 	$(BIN)/lint-imports --no-cache
 
@@ -69,6 +70,15 @@ test:
 	$(MAKE) --no-print-directory check
 	$(MAKE) --no-print-directory unit EXAMPLES=all
 	$(MAKE) --no-print-directory integration
+
+# The VM tier (tests/vm, README "Supported nodes"): a guest with cgroup v2 only, systemd
+# and a kernel that tracks dirty pages, booted once under qemu with this host's / as its
+# root; the suite runs inside it. Root, after `make setup`; the kernel and initramfs are
+# built once and cached (/opt/cedana-deps/vm). VM_TIMEOUT bounds the run, boot included.
+VM_TIMEOUT ?= 1500
+vm-test:
+	python3 tests/vm/machine/vm.py --timeout $(VM_TIMEOUT) -- \
+	  $(BIN)/python -m pytest tests/vm -v -p no:cacheprovider --durations=10 $(PYTEST_ARGS)
 
 # README's first command: set this machine up as a node, then show the whole story.
 demo: setup

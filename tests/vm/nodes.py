@@ -17,7 +17,6 @@ from cedana_shim.api.cri.v1 import api_pb2 as cri
 from cedana_shim.node import registration
 from integration.harness import procs
 from integration.harness.containerd import Containerd
-from integration.harness.cr_events import TOPIC_RESTORE, Event, EventStream
 from integration.harness.cri import CriClient
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -28,14 +27,6 @@ MiB = 1 << 20
 # Once /hog exists the counter (each tick) reads 128 MiB into a shell variable: beyond
 # any memory limit the tests set.
 HOG = "[ -e /hog ] && hog=$(head -c 134217728 /dev/zero | tr '\\000' x)\n"
-
-
-def restored_from(events: EventStream, cid: str, checkpoint_id: str, timeout: float) -> Event:
-    """The container's `/cedana/restore` event, which must say it restored this one."""
-    outcome = events.wait_topic(TOPIC_RESTORE, cid, timeout=timeout)
-    assert outcome.field("outcome") == "restored", outcome
-    assert outcome.checkpoint_id == checkpoint_id, (outcome.checkpoint_id, checkpoint_id)
-    return outcome
 
 
 class SystemdCri(CriClient):

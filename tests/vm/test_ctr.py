@@ -21,12 +21,13 @@ from integration.harness.cr_support import (
     Workloads,
     assert_continues,
     counter_script,
+    restored_from,
     wait_ticks,
 )
 from integration.harness.ctr import Ctr
 from integration.harness.util import wait_for
 
-from .nodes import TIMEOUT, MiB, assert_cgroup_holds, cgroup_dir, cgroup_pids, restored_from
+from .nodes import TIMEOUT, MiB, assert_cgroup_holds, cgroup_dir, cgroup_pids
 
 NewId = Callable[[str], str]
 
@@ -91,7 +92,7 @@ def test_restored_container_lives_in_its_own_cgroup(
         assert before is not None
 
         second = work.start("second", extra=("--memory-limit", str(48 * MiB)))
-        restored_from(events, second.cid, checkpoint, TIMEOUT)
+        restored_from(events, second, checkpoint)
         after = wait_ticks(second.lines, count=2, timeout=TIMEOUT)
         assert_continues(before, after, "restore on cgroup v2")
 

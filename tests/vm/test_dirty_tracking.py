@@ -18,12 +18,12 @@ import pytest
 from integration.harness.config import CTR_NAMESPACE
 from integration.harness.containerd import Containerd
 from integration.harness.cr_events import TOPIC_EXIT, EventStream
-from integration.harness.cr_support import ShimLog, Workloads, wait_compacted
+from integration.harness.cr_support import ShimLog, Workloads, restored_from, wait_compacted
 from integration.harness.ctr import Ctr
 from integration.harness.fixtures import build_static
 from integration.harness.util import wait_for
 
-from .nodes import TIMEOUT, Figures, restored_from
+from .nodes import TIMEOUT, Figures
 
 NewId = Callable[[str], str]
 MIB = 128
@@ -117,7 +117,7 @@ def test_the_second_periodic_dump_takes_unchanged_pages_from_its_parent(
         again = w.start(
             "restored", extra=("--env", f"CEDANA_RESTORE={second.checkpoint_id}", "--mount", mount)
         )
-        restored_from(events, again.cid, second.checkpoint_id, TIMEOUT)
+        restored_from(events, again, second.checkpoint_id)
         ctr("task", "kill", "-s", "SIGUSR2", again.cid)
         wait_for(
             lambda: [line for line in again.lines() if line.startswith("verified")],

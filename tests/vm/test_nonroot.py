@@ -18,11 +18,11 @@ from integration.harness import procs
 from integration.harness.config import CTR_NAMESPACE
 from integration.harness.containerd import Containerd
 from integration.harness.cr_events import TOPIC_EXIT, EventStream
-from integration.harness.cr_support import Workloads
+from integration.harness.cr_support import Workloads, restored_from
 from integration.harness.ctr import Ctr
 from integration.harness.util import wait_for
 
-from .nodes import TIMEOUT, restored_from
+from .nodes import TIMEOUT
 
 NewId = Callable[[str], str]
 APP_UID = 1000
@@ -106,7 +106,7 @@ def test_a_server_with_workers_of_another_user_resumes_with_them(
         w.delete(first)
 
         second = w.start("second")
-        restored_from(events, second.cid, committed.checkpoint_id, TIMEOUT)
+        restored_from(events, second, committed.checkpoint_id)
         after = _ticking(second.lines, 2)
         for n, (token, counts) in after.items():
             old_token, old_counts = before[n]
