@@ -73,7 +73,7 @@ def main() -> int:
             return 1
         print("\nThe shim's own log lines (from containerd's log):")
         for line in node.log_since(0).splitlines():
-            if '"logger":"cedana_shim.task.checkpointing"' in line:
+            if '"logger":"cedana_shim.lifecycle.checkpointing"' in line:
                 print("  " + line)
         return 0
     except Exception:

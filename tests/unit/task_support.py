@@ -36,9 +36,9 @@ from cedana_shim.checkpoint.store import Store, StoreConfig
 from cedana_shim.config import NodeConfig
 from cedana_shim.hooks import HookReport, HookState, Stage
 from cedana_shim.hooks.stub import StubHookRunner
+from cedana_shim.lifecycle.checkpoint_manager import CheckpointManager
 from cedana_shim.runtime.reaper import PR_SET_CHILD_SUBREAPER, Reaper, set_child_subreaper
 from cedana_shim.runtime.runc import Runc
-from cedana_shim.task.checkpoint_manager import CheckpointManager
 from cedana_shim.task.container import Container
 from cedana_shim.task.events import TOPICS
 from cedana_shim.task.options import RuntimeOptions

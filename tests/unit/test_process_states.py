@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 from cedana_shim.errors import FailedPrecondition, NotFound
-from cedana_shim.task.process import (
+from cedana_shim.lifecycle.process import (
     EXEC_TRANSITIONS,
     INIT_TRANSITIONS,
     LIVE,

@@ -23,8 +23,8 @@ from cedana_shim.bundle_state import BundleState, read_stopping
 from cedana_shim.checkpoint.store import Entry, Ingest, Store
 from cedana_shim.errors import Aborted, Code, FailedPrecondition, ResourceExhausted, ShimError
 from cedana_shim.hooks import Stage
+from cedana_shim.lifecycle.process import Process, State
 from cedana_shim.runtime.reaper import Exit
-from cedana_shim.task.process import Process, State
 from fakes.fake_runc import PAGES_IMAGE
 from google.protobuf.message import Message
 from task_support import COUNTER, NAMESPACE, SLEEP, TaskEnv, TaskWorld, ctx, trap_term

@@ -19,7 +19,7 @@ from cedana_shim.api.cedana.v1 import cedana_pb2 as cedana_pb
 from cedana_shim.bundle_state import CRIU_GROUP_MARK
 from cedana_shim.checkpoint.layers import CRIU_LAYER
 from cedana_shim.errors import Aborted
-from cedana_shim.task.process import State
+from cedana_shim.lifecycle.process import State
 from fakes.fake_runc import PAGES_IMAGE
 from task_support import COUNTER, TaskEnv, TaskWorld
 from test_task_restore import LABEL, counter_reaches, two_checkpoints

@@ -11,7 +11,7 @@ import pytest
 from cedana_shim.api.containerd.events import task_pb2 as ev
 from cedana_shim.api.containerd.types import task_pb2 as types
 from cedana_shim.errors import FailedPrecondition, NotFound, Unknown
-from cedana_shim.task.process import State
+from cedana_shim.lifecycle.process import State
 from task_support import PYTHON, SLEEP, TaskEnv, TaskWorld
 
 

@@ -19,7 +19,7 @@ from cedana_shim.api.containerd.types import task_pb2 as types
 from cedana_shim.checkpoint.layers import CRIU_LAYER
 from cedana_shim.errors import Aborted
 from cedana_shim.hooks import Stage
-from cedana_shim.task.process import State
+from cedana_shim.lifecycle.process import State
 from fakes.fake_runc import PAGES_IMAGE
 from task_support import COUNTER, TaskEnv, TaskWorld
 

@@ -19,9 +19,9 @@ from .. import log as shim_log
 from ..api.containerd.task.v2 import shim_pb2 as shim_pb
 from ..api.ttrpc.request_pb2 import Request
 from ..errors import ShimError
+from ..lifecycle.checkpoint_manager import CheckpointManager
 from ..runtime.containerd_images import ContainerdImages, target_digest_in_child
 from ..runtime.reaper import Reaper, set_child_subreaper
-from ..task.checkpoint_manager import CheckpointManager
 from ..task.events import Publisher
 from ..task.oom import OomWatcher
 from ..task.options import decode_start_stdin, parse_runtime_options

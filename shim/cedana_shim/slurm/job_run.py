@@ -36,12 +36,12 @@ from ..checkpoint import criu_config
 from ..checkpoint.pipeline import DumpRequest
 from ..checkpoint.policy import Policy
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, ShimError
+from ..lifecycle.checkpoint_manager import CheckpointManager, PipelineSource
+from ..lifecycle.checkpointing import STOP_SIGNALS, Checkpointing
+from ..lifecycle.process import Process, State
 from ..runtime.reaper import Exit, Reaper, set_child_subreaper
 from ..runtime.runc import Runc
 from ..runtime.unmount import unmount_all
-from ..task.checkpoint_manager import CheckpointManager, PipelineSource
-from ..task.checkpointing import STOP_SIGNALS, Checkpointing
-from ..task.process import Process, State
 from . import cgroups, job_spec, leftovers
 from .batch_script import BatchScript
 from .control import RUN_DIR, SOCKET_DIR, ControlServer, socket_path

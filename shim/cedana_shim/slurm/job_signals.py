@@ -13,7 +13,7 @@ may start beside it. So the keeper holds, from the job's start:
   that SIGKILL (cgroup v1 leaves a frozen task's SIGKILL pending until it thaws).
 * :class:`JobRunc`: the job's runc, whose ``kill`` and ``resume`` fall back to the
   InitHandle when runc fails for any reason but the container being gone. The stop
-  (task/checkpointing.py) signals and kills through these two calls, so a stop whose
+  (lifecycle/checkpointing.py) signals and kills through these two calls, so a stop whose
   checkpoint could not be made still delivers its signal, and one whose checkpoint
   is durable still kills.
 * :class:`FdReserve`: descriptors held open and given back, most when a stop begins

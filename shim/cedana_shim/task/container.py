@@ -38,6 +38,8 @@ from ..errors import (
     NotFound,
     ShimError,
 )
+from ..lifecycle.checkpointing import Checkpointing
+from ..lifecycle.process import ExitInfo, Process, State
 from ..runtime.lazy_pages import PagesDaemon
 from ..runtime.mount import mount_all, unmount_all
 from ..runtime.reaper import Child, Reaper
@@ -51,10 +53,8 @@ from ..runtime.runc import (
     read_pid_file,
 )
 from .cgroups import Cgroup, load_cgroup, remove_cgroup
-from .checkpointing import Checkpointing
 from .execs import IO_DRAIN_TIMEOUT, Execs
 from .launch import RuncCall, run_with_stdio
-from .process import ExitInfo, Process, State
 from .requests import CheckpointConfig, CreateConfig, ExecConfig
 from .stdio import LOGGER_STOP_GRACE, ProcessIO
 

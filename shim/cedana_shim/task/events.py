@@ -1,7 +1,7 @@
 """Task events, published to containerd in order.
 
-The service hands events to an :class:`EventSender`; it never waits for
-delivery and never fails because of it. :class:`Publisher` is the production
+The service hands events to an event sender (lifecycle/events.py); it never waits
+for delivery and never fails because of it. :class:`Publisher` is the production
 sender: one queue, one forwarder task, ttrpc ``Events/Forward`` to
 ``$TTRPC_ADDRESS`` (containerd >= 1.3), reconnecting and retrying each event a
 bounded number of times before logging it as lost.
@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Protocol
 
 from google.protobuf.any_pb2 import Any
 from google.protobuf.empty_pb2 import Empty
@@ -47,10 +46,6 @@ QUEUE_LIMIT = 2048
 MAX_ATTEMPTS = 5
 CALL_TIMEOUT = 5.0
 DRAIN_TIMEOUT = 5.0
-
-
-class EventSender(Protocol):
-    def send(self, event: Message) -> None: ...
 
 
 def envelope(namespace: str, event: Message, when: float | None = None) -> Envelope:

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import AlreadyExists, InvalidArgument, NotFound
+from ..lifecycle.process import Process, State
 from ..runtime.reaper import Child
-from .process import Process, State
 from .requests import ExecConfig
 from .stdio import ProcessIO
 

@@ -32,16 +32,16 @@ from ..bundle_state import mark_deleted
 from ..checkpoint.pipeline import DumpRequest
 from ..checkpoint.policy import policy_for
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, ShimError
+from ..lifecycle.checkpoint_manager import CheckpointManager
+from ..lifecycle.checkpointing import require_enabled
+from ..lifecycle.events import EventSender
+from ..lifecycle.process import NOT_EXITED, ExitInfo, Process, State
 from ..runtime.mount import Mount
 from ..runtime.reaper import Exit, Reaper
 from ..ttrpc.server import CallContext, Method
-from .checkpoint_manager import CheckpointManager
-from .checkpointing import require_enabled
 from .container import Container, load_spec
-from .events import EventSender
 from .oom import OomWatcher
 from .options import parse_runtime_options, type_name
-from .process import NOT_EXITED, ExitInfo, Process, State
 from .requests import CheckpointConfig, CreateConfig, ExecConfig
 from .runc_factory import RuncFactory
 from .stats import collect_metrics
