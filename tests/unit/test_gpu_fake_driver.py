@@ -26,8 +26,8 @@ from cedana_shim.gpu.driver import (
     Step,
     format_device_map,
 )
-from cedana_shim.gpu.fake import Failure, FakeDriver, running
 from cedana_shim.ttrpc.status import status_from_exception
+from fakes.fake_gpu_driver import Failure, FakeDriver, running
 
 PID = 4242
 

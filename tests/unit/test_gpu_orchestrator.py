@@ -20,9 +20,9 @@ from cedana_shim.gpu.driver import (
     ProcessState,
     Step,
 )
-from cedana_shim.gpu.fake import Failure, FakeDriver, running
 from cedana_shim.gpu.inventory import GpuProcess
 from cedana_shim.gpu.orchestrator import Frozen, freeze, thaw
+from fakes.fake_gpu_driver import Failure, FakeDriver, running
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.examples import examples

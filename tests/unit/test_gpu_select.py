@@ -167,7 +167,7 @@ def test_doctor_without_remap_support(bare_path: Path) -> None:
 def test_no_nvidia_module_is_imported_with_the_gpu_layer() -> None:
     code = (
         "import sys\n"
-        "import cedana_shim.gpu.compat, cedana_shim.gpu.doctor, cedana_shim.gpu.fake\n"
+        "import cedana_shim.gpu.compat, cedana_shim.gpu.doctor\n"
         "import cedana_shim.gpu.orchestrator, cedana_shim.gpu.select\n"
         "loaded = [m for m in sys.modules if m == 'pynvml' or m.split('.')[0] == 'cuda']\n"
         "assert not loaded, loaded\n"

@@ -7,9 +7,9 @@ The CUDA driver moves a process's GPU state in four steps, each a separate call
     RUNNING --lock--> LOCKED --checkpoint--> CHECKPOINTED --restore--> LOCKED --unlock--> RUNNING
 
 Every backend (:mod:`.driver_api`, :mod:`.driver_cli`) and the test fake
-(:mod:`.fake`) implements :class:`CudaCheckpointDriver`; the orchestrator only
-ever talks to that. The rules live here, in one table, so the fake and the
-orchestrator's recovery read the same ones.
+(tests/unit/fakes/fake_gpu_driver.py) implements :class:`CudaCheckpointDriver`; the
+orchestrator only ever talks to that. The rules live here, in one table, so the fake
+and the orchestrator's recovery read the same ones.
 
 The driver does not roll back a step that fails midway: a failed checkpoint can
 leave the process LOCKED, CHECKPOINTED or FAILED. Recovering is the caller's job

@@ -1,9 +1,10 @@
-"""A fake CUDA checkpoint driver that keeps the real rules, for tests.
+"""A fake CUDA checkpoint driver (a :class:`~cedana_shim.gpu.driver.CudaCheckpointDriver`)
+that keeps the real rules, for tests of the GPU layer.
 
-It enforces :data:`~.driver.TRANSITIONS` (a wrong transition raises
-:class:`~.driver.GpuFailedPrecondition` and changes nothing), models lock
+It enforces :data:`~cedana_shim.gpu.driver.TRANSITIONS` (a wrong transition raises
+:class:`~cedana_shim.gpu.driver.GpuFailedPrecondition` and changes nothing), models lock
 waiting for submitted work (``pending_work_ms`` longer than the lock timeout
-raises :class:`~.driver.GpuDeadlineExceeded` and leaves the process RUNNING),
+raises :class:`~cedana_shim.gpu.driver.GpuDeadlineExceeded` and leaves the process RUNNING),
 and fails any step of any pid on demand, leaving the process in whatever state
 the test chooses: the real driver has no rollback either. Every call is recorded
 with its start and end time, so tests can assert that calls overlapped.
@@ -17,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .driver import (
+from cedana_shim.gpu.driver import (
     TRANSITIONS,
     Availability,
     GpuDeadlineExceeded,
