@@ -82,9 +82,9 @@ from _common import (
 
 ensure_venv()
 
+from cedana_shim.checkpoint.delivery import LEFTOVERS_DELAY  # noqa: E402
 from cedana_shim.checkpoint.remote.shared_dir import SharedDirectory  # noqa: E402
 from cedana_shim.checkpoint.remote.tags import parse_tag  # noqa: E402
-from cedana_shim.lifecycle.checkpointing import LEFTOVERS_DELAY  # noqa: E402
 from cedana_shim.registry import Registry as RegistryLike  # noqa: E402
 from cedana_shim.registry import RegistryClient, RegistryConfig  # noqa: E402
 from checkpoint_restore import (  # noqa: E402

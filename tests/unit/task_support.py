@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -173,6 +174,11 @@ class TaskEnv:
             runc_factory=self._runc,
             oom=None,
         )
+
+    def reconfigure(self, **changes: Any) -> None:
+        """A node config that changed (a daemon builds its pipeline again for it)."""
+        config = replace(self.pipeline.config, **changes)
+        self.pipeline.config = self.pipeline.delivery.config = config
 
     def _runc(self, options: RuntimeOptions, namespace: str, bundle: str) -> Runc:
         return Runc(

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from cedana_shim.checkpoint import oplog
 from cedana_shim.checkpoint.remote import Outbox
+from cedana_shim.checkpoint.store import StoreConfig
 from cedana_shim.node.kube import KubeError, Rejected
 from cedana_shim.node.manager import Stop, in_background
 from cedana_shim.node.metrics import AgentMetrics
@@ -154,7 +155,7 @@ def test_a_round_posts_counts_and_deletes(tmp_path: Path) -> None:
     metrics = AgentMetrics()
     observer = OpsObserver(api, metrics, "node-1")
 
-    assert observer.round(str(tmp_path)) == 3
+    assert observer.round(StoreConfig(root=str(tmp_path))) == 3
     assert [(ns, e["reason"], e["involvedObject"].get("uid")) for ns, e in api.events] == [
         ("team-a", "Checkpointed", "uid-1"),
         ("team-a", "Restored", "uid-looked-up"),
@@ -189,7 +190,7 @@ def test_a_refused_event_is_not_retried(tmp_path: Path) -> None:
     api = RecordingApi()
     api.failure = Rejected("POST event: HTTP 403 Forbidden")
     metrics = AgentMetrics()
-    assert OpsObserver(api, metrics, "node-1").round(str(tmp_path)) == 1
+    assert OpsObserver(api, metrics, "node-1").round(StoreConfig(root=str(tmp_path))) == 1
     assert sample(metrics, "cedana_checkpoints_total", trigger="stop", outcome="committed") == 1
 
 
@@ -198,7 +199,7 @@ def test_the_store_gauges(tmp_path: Path) -> None:
     first, second = publish(store, "a"), publish(store, "b")
     Outbox(store.root).add(second.id)
     metrics = AgentMetrics()
-    OpsObserver(None, metrics, "node-1").round(store.root)
+    OpsObserver(None, metrics, "node-1").round(store.config)
     assert sample(metrics, "cedana_store_checkpoints") == 2
     assert sample(metrics, "cedana_store_size_bytes") == first.size + second.size
     assert sample(metrics, "cedana_pending_pushes") == 1
@@ -220,7 +221,7 @@ def test_a_scrape_during_a_round_sees_the_store_gauges_already(
             seen.append(sample(metrics, "cedana_store_checkpoints"))
             super().create_event(namespace, event)
 
-    assert OpsObserver(ScrapingApi(), metrics, "node-1").round(store.root) == 1
+    assert OpsObserver(ScrapingApi(), metrics, "node-1").round(store.config) == 1
     assert seen == [1]
 
 

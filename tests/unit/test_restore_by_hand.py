@@ -10,7 +10,6 @@ import json
 import os
 import signal
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -328,8 +327,8 @@ def test_a_registry_checkpoint_of_another_image_is_skipped_before_the_pull(
 ) -> None:
     async def body(env: TaskEnv) -> None:
         _, _, third = await three_checkpoints(env)
-        env.pipeline._remote = FakeRegistry()  # type: ignore[assignment]
-        env.pipeline.config = replace(env.pipeline.config, registry="registry.invalid/cedana")
+        env.pipeline.delivery._remote = FakeRegistry()  # type: ignore[assignment]
+        env.reconfigure(registry="registry.invalid/cedana")
         image = {IMAGE_KEY: "app:2"}
         if not by_hand:  # the label's newest is in the registry: skipped, the local next
             await create(env, "c1", annotations=image)
@@ -370,8 +369,8 @@ def test_a_registry_checkpoint_this_node_cannot_run_is_skipped_before_the_pull(
         _, _, third = await three_checkpoints(env)
         registry = FakeRegistry()
         registry.metadata = {"image": "app:2", "versions": {}, **recorded}
-        env.pipeline._remote = registry  # type: ignore[assignment]
-        env.pipeline.config = replace(env.pipeline.config, registry="registry.invalid/cedana")
+        env.pipeline.delivery._remote = registry  # type: ignore[assignment]
+        env.reconfigure(registry="registry.invalid/cedana")
         await create(env, "c1", annotations={IMAGE_KEY: "app:2"})
         await env.start("c1")
         await counter_reaches(env, "c1", "31")

@@ -44,8 +44,8 @@ def test_a_forged_newer_checkpoint_is_skipped_removed_and_tried_last_from_then_o
         ids = await three_checkpoints(env)
         shared = tmp_path / "shared"
         shared.mkdir(mode=0o700)
-        env.pipeline.config = replace(env.pipeline.config, registry=str(shared))
-        remote = env.pipeline.remote()
+        env.reconfigure(registry=str(shared))
+        remote = env.pipeline.delivery.remote()
         forged = _forged(env, kind, ids[-1])
         tag = push_forged(remote.client, env.store, forged, "node-x", scope=NAMESPACE)
         assert [c.checkpoint_id for c in remote.candidates(NAMESPACE, LABEL)] == [forged.id]

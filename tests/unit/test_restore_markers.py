@@ -25,9 +25,7 @@ WAITING = "waiting for a checkpoint of the label being written"
 def _registry(env: TaskEnv, tmp_path: Path) -> SharedDirectory:
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o700)
-    env.pipeline.config = replace(
-        env.pipeline.config, registry=str(shared), label_wait_timeout=WAIT
-    )
+    env.reconfigure(registry=str(shared), label_wait_timeout=WAIT)
     return SharedDirectory(str(shared))
 
 

@@ -28,11 +28,11 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import __version__
-from ..config import NodeConfig, Stamp, file_stamp
-from ..errors import DataLoss, FailedPrecondition, ResourceExhausted, ShimError
+from ..config import NodeConfig
+from ..errors import DataLoss, ResourceExhausted, ShimError
 from ..hooks import HookRunner, HookState, Stage
 from ..runtime.criu_stats import dump_stats
 from ..runtime.mount import Mount
@@ -40,6 +40,7 @@ from ..runtime.reaper import Reaper
 from ..runtime.runc import CheckpointOpts, Runc
 from ..runtime.tcp_repair import tcp_summary
 from . import cpu_fit, criu_config, preflight
+from .delivery import Delivery
 from .dirty_tracking import DirtyTracking
 from .gpu_steps import GpuDump, GpuSteps
 from .layers import (
@@ -56,9 +57,6 @@ from .oplog import PhaseClock, criu_logs_path
 from .policy import Policy
 from .rootfs_diff import capture, capture_dir, upperdir_of
 from .store import Entry, Ingest, Store, priority
-
-if TYPE_CHECKING:
-    from .remote import OnCompacted, Outbox, RemoteStore, SyncResult
 
 log = logging.getLogger(__name__)
 
@@ -165,62 +163,8 @@ class Pipeline:
         self.gpu = gpu
         self.versions = Versions()
         self.tracking = DirtyTracking(config.dirty_tracking)
-        self._remote: RemoteStore | None = None
-        self._auth_stamp: Stamp = None
-
-    # -- the registry (node config `registry`) ------------------------------------------
-
-    def outbox(self) -> Outbox:
-        """Checkpoints committed here and not pushed yet (durable, in the store)."""
-        from .remote import Outbox
-
-        return Outbox(self.store.root)
-
-    def remote(self) -> RemoteStore:
-        """The registry of the node config; built again when its credentials file has
-        changed since (a rotated Secret, such as ECR's 12-hour tokens, reaches a daemon
-        that lives for weeks: the node agent installs the new file)."""
-        stamp = file_stamp(self.config.registry_auth_file)  # "": None
-        if self._remote is None or stamp != self._auth_stamp:
-            from .remote import RemoteStore
-
-            remote = RemoteStore.from_config(self.store, self.config, platform.node())
-            if remote is None:
-                raise FailedPrecondition("no registry in the node config")
-            self._remote, self._auth_stamp = remote, stamp
-        return self._remote
-
-    def push_refusal(self, scope: str) -> str:
-        """Why checkpoints of namespace ``scope`` cannot go to the registry (its name
-        cannot name a repository: e.g. containerd's k8s.io outside Kubernetes); ""."""
-        from ..registry import parse_registry, repository_for
-        from .remote.shared_dir import names_shared_dir
-
-        registry = self.config.registry
-        try:
-            repository_for(
-                "" if names_shared_dir(registry) else parse_registry(registry).prefix, scope
-            )
-        except ShimError as err:
-            return f"namespace {scope!r} cannot be pushed to {self.config.registry}: {err}"
-        return ""
-
-    def push_pending(
-        self,
-        ids: list[str] | None,
-        on_compacted: OnCompacted | None = None,
-        *,
-        urgent: bool = False,
-    ) -> SyncResult:
-        """Push ``ids`` (or every pending push) to the registry (compacting a raw one on
-        the way, each chunk sent as it is compressed; ``on_compacted`` is told; niced
-        unless ``urgent``: a stop's exit waits), then keep the newest ``retain``
-        checkpoints of each label pushed there too (remote.sync). Blocking."""
-        from .remote import sync
-
-        return sync(
-            self.remote(), self.outbox(), only=ids, on_compacted=on_compacted, niced=not urgent
-        )
+        # What follows durability: compaction, the push, the before-exit wait.
+        self.delivery = Delivery(store, config)
 
     async def warm_up(self, runc: Runc) -> None:
         """Pay now for what the first dump of this daemon would otherwise pay beside
@@ -501,11 +445,6 @@ class Pipeline:
             with contextlib.suppress(Exception):
                 await asyncio.shield(asyncio.to_thread(self.store.abort, dump.ingest))
             raise
-
-    async def compact(self, checkpoint_id: str) -> Entry | None:
-        """Compress a published checkpoint (the store runs it niced: it competes with
-        the node's workloads)."""
-        return await asyncio.to_thread(self.store.compact, checkpoint_id)
 
     def _metadata(self, target: Target, reason: str) -> dict[str, Any]:
         policy = target.policy

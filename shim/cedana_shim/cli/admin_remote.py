@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .admin_common import CliError, format_local, human_size, render_table, render_transfer, utcnow
 
 if TYPE_CHECKING:
+    from cedana_shim.checkpoint.delivery import Delivery
     from cedana_shim.checkpoint.remote import RemoteCheckpoint, RemoteStore, SyncResult
 
 __all__ = ["cmd_list_remote", "cmd_pull", "cmd_push", "cmd_sync", "register"]
@@ -104,24 +105,26 @@ def _lazy(name: str) -> Callable[[argparse.Namespace], int]:
 # -- opening the registry --------------------------------------------------------------------
 
 
-def open_remote(args: argparse.Namespace) -> RemoteStore:
-    """The remote store of the node config, or a CliError that says how to configure one."""
-    from cedana_shim.checkpoint.remote import RemoteStore
-    from cedana_shim.config import DEFAULT_PATH, load_node_config
+def open_delivery(args: argparse.Namespace) -> Delivery:
+    """The node's store and its registry, or a CliError that says how to configure one."""
+    from cedana_shim.checkpoint.delivery import Delivery
+    from cedana_shim.config import DEFAULT_PATH
 
-    from .admin_store import open_store
+    from .admin_store import node_config, open_store
 
-    path = getattr(args, "config", None)
-    config = load_node_config(path)
-    store = open_store(args)
-    remote = RemoteStore.from_config(store, config, platform.node())
-    if remote is None:
-        where = path or os.environ.get("CEDANA_CONFIG") or DEFAULT_PATH
+    config = node_config(args)
+    if not config.registry:
+        where = getattr(args, "config", None) or os.environ.get("CEDANA_CONFIG") or DEFAULT_PATH
         raise CliError(
             f'no registry configured: set `registry = "host[:port]/prefix"` in {where} '
             "(or env CEDANA_REGISTRY)"
         )
-    return remote
+    return Delivery(open_store(args), config, platform.node())
+
+
+def open_remote(args: argparse.Namespace) -> RemoteStore:
+    """The remote store of the node config, or a CliError that says how to configure one."""
+    return open_delivery(args).remote()
 
 
 def write_json(value: Any) -> None:
@@ -294,10 +297,8 @@ def _sync_json(result: SyncResult, pending: list[str]) -> dict[str, Any]:
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
-    from cedana_shim.checkpoint.remote import Outbox, sync
-
-    remote = open_remote(args)
-    outbox = Outbox(remote.store.root)
+    delivery = open_delivery(args)
+    remote = delivery.remote()
     bars: dict[str, _Bar] = {}
 
     def progress(checkpoint_id: str, done: int, total: int) -> None:
@@ -309,11 +310,11 @@ def cmd_sync(args: argparse.Namespace) -> int:
         bars[checkpoint_id](done, total)
 
     try:
-        result = sync(remote, outbox, progress=progress)
+        result = delivery.push(progress=progress)
     finally:
         for bar in bars.values():
             bar.close()
-    pending = outbox.pending()
+    pending = delivery.outbox().pending()
     if args.json:
         write_json(_sync_json(result, pending))
     else:

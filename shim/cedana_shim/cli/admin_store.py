@@ -27,6 +27,7 @@ from .admin_common import (
 
 if TYPE_CHECKING:
     from cedana_shim.checkpoint.store import Entry, RepairReport, Store
+    from cedana_shim.config import NodeConfig
 
 DEFAULT_CONFIG = "/etc/cedana/shim.toml"
 
@@ -34,14 +35,17 @@ DEFAULT_CONFIG = "/etc/cedana/shim.toml"
 # -- opening the store -------------------------------------------------------------------
 
 
-def store_path(args: argparse.Namespace) -> str:
-    """``--store``, else ``store_path`` of the node config (``--config``, env ``CEDANA_*``)."""
-    explicit: str | None = getattr(args, "store", None)
-    if explicit:
-        return os.path.abspath(explicit)
+def node_config(args: argparse.Namespace) -> NodeConfig:
+    """The node config (``--config``, env ``CEDANA_*``): the store's path and settings."""
     from cedana_shim.config import load_node_config
 
-    return os.path.abspath(load_node_config(getattr(args, "config", None)).store_path)
+    return load_node_config(getattr(args, "config", None))
+
+
+def store_path(args: argparse.Namespace, config: NodeConfig) -> str:
+    """``--store``, else ``store_path`` of the node config."""
+    explicit: str | None = getattr(args, "store", None)
+    return os.path.abspath(explicit or config.store_path)
 
 
 def open_store(args: argparse.Namespace) -> Store:
@@ -49,16 +53,17 @@ def open_store(args: argparse.Namespace) -> Store:
 
     Never creates a store: every command here only reads or trims an existing one.
     """
-    path = store_path(args)
+    config = node_config(args)
+    path = store_path(args, config)
     try:
         st = os.stat(path)
     except FileNotFoundError:
         if getattr(args, "store", None):
             raise CliError(f"checkpoint store {path} does not exist (--store)") from None
-        config = getattr(args, "config", None) or os.environ.get("CEDANA_CONFIG") or DEFAULT_CONFIG
+        where = getattr(args, "config", None) or os.environ.get("CEDANA_CONFIG") or DEFAULT_CONFIG
         raise CliError(
             f"checkpoint store {path} does not exist: no checkpoint was taken on this node "
-            f"yet, or the store is elsewhere (pass --store, or see store_path in {config} "
+            f"yet, or the store is elsewhere (pass --store, or see store_path in {where} "
             "and env CEDANA_STORE_PATH)"
         ) from None
     except PermissionError:
@@ -77,7 +82,7 @@ def open_store(args: argparse.Namespace) -> Store:
     from cedana_shim.checkpoint.store import Store, StoreConfig
 
     try:
-        return Store(StoreConfig(root=path))
+        return Store(StoreConfig.for_node(config, root=path))
     except errors.PermissionDenied as err:
         if isinstance(err.__cause__, PermissionError) and not is_root():
             raise CliError(f"{err}; {ROOT_HINT}") from None

@@ -18,16 +18,7 @@ from ..runtime.reaper import Reaper
 
 
 def build_pipeline(config: NodeConfig, reaper: Reaper) -> Pipeline:
-    store = Store(
-        StoreConfig(
-            root=config.store_path,
-            compression_level=config.compression_level,
-            threads=config.compression_threads,
-            retain=config.retain,
-            cache_raw=config.cache_raw,
-            chunk_size=config.chunk_size,
-        )
-    )
+    store = Store(StoreConfig.for_node(config))
     hooks = ProcessHookRunner(
         tuple(d for d in config.hooks_dirs.split(":") if d), spawn=reaper_spawn(reaper)
     )

@@ -12,7 +12,9 @@
   thawed, goes back to RUNNING and gets the signal, as it would without us.
 
 Dumps of one container run one at a time; a SIGKILL abandons the one in progress
-(nothing of it becomes visible). Compression happens after publish, in the background.
+(nothing of it becomes visible). What follows durability (compaction, the push, the
+wait for it before a stop's exit) belongs to the pipeline's
+:class:`~cedana_shim.checkpoint.delivery.Delivery`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,8 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-LEFTOVERS_DELAY = 5.0  # seconds after a daemon first uses a store
-PUSH_POLL = 0.2  # seconds between looks at a push another process is making
 TargetFn = Callable[[], Target]
 
 
@@ -164,46 +163,14 @@ class Checkpointing:
                 return entry  # from outside), nothing left to stop
             init.stop_durable()
         if self.config.registry and self.config.registry_sync == "before-exit":
-            await self._wait_for_push(entry)
+            await self.pipeline.delivery.wait_pushed(
+                entry, self._after_commit, self._hurry, self.container_id
+            )
         if self.config.tcp_established and dump.tcp_streams:
             await self._silence_connections(current)
         with contextlib.suppress(NotFound):
             await current.runc.kill(self.container_id, signal.SIGKILL, all=True)
         return entry
-
-    async def _wait_for_push(self, entry: Entry) -> None:
-        """registry_sync = before-exit: the exit waits until the checkpoint is in the
-        registry (a spot node's disk goes with the node), or a SIGKILL (the end of the
-        grace period), or checkpoint_timeout; the push goes on in the background then.
-        Whoever pushes it counts: another process (the leftovers sweep, the node agent,
-        `cedana checkpoints sync`) may hold its outbox record; the wait follows it and
-        pushes itself once the record is let go unpushed."""
-        deadline = time.monotonic() + self.config.checkpoint_timeout
-        hurry = asyncio.get_running_loop().create_task(self._hurry.wait())
-        try:
-            push = self._after_commit
-            if push is not None and not push.done():
-                await asyncio.wait(
-                    {push, hurry},
-                    timeout=deadline - time.monotonic(),
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-            while not hurry.done() and time.monotonic() < deadline:
-                try:
-                    if entry.id not in await asyncio.to_thread(self.pipeline.outbox().pending):
-                        return  # pushed
-                    result = await asyncio.to_thread(self.pipeline.push_pending, [entry.id])
-                except (ShimError, OSError):
-                    break  # logged by the push; the record stays for a later one
-                if entry.id not in result.busy:
-                    return  # pushed, or failed (and logged): the exit goes on
-                await asyncio.wait({hurry}, timeout=PUSH_POLL)
-        finally:
-            hurry.cancel()
-        log.warning(
-            "exit reported before the checkpoint reached the registry; the push goes on",
-            extra={"container": self.container_id, "checkpoint": entry.id},
-        )
 
     async def _silence_connections(self, current: Target) -> None:
         """The kill must not close the checkpointed TCP connections for their peers
@@ -379,30 +346,10 @@ class Checkpointing:
         self.manager.publish(
             task_ev.TaskCheckpointed(container_id=self.container_id, checkpoint=entry.id)
         )
-        if self.config.registry:
-            await self._record_push(entry)
         # A stop that reports its exit after the push waits for this compaction too.
         urgent = reason == "stop" and self.config.registry_sync == "before-exit"
-        self._after_commit = self.manager.compact_later(self.pipeline, entry.id, urgent=urgent)
+        self._after_commit = await self.pipeline.delivery.committed(entry, urgent=urgent)
         return entry
-
-    async def _record_push(self, entry: Entry) -> None:
-        """The outbox record comes first: a push this daemon does not finish is taken up
-        by the next daemon or the node agent."""
-        refusal = self.pipeline.push_refusal(entry.scope)
-        if refusal:
-            log.warning(
-                "checkpoint stays on this node", extra={"checkpoint": entry.id, "why": refusal}
-            )
-            return
-        try:
-            await asyncio.to_thread(self.pipeline.outbox().add, entry.id)
-        except (ShimError, OSError) as err:
-            log.error(
-                "cannot record the pending push of a checkpoint; this daemon pushes it, "
-                "no other will if it dies first",
-                extra={"checkpoint": entry.id, "error": str(err)},
-            )
 
     def _record(
         self,
@@ -473,4 +420,4 @@ def require_enabled(cr: Checkpointing | None, container_id: str) -> Checkpointin
     return cr
 
 
-__all__ = ["LEFTOVERS_DELAY", "STOP_SIGNALS", "Checkpointing", "require_enabled"]
+__all__ = ["STOP_SIGNALS", "Checkpointing", "require_enabled"]

@@ -454,7 +454,7 @@ def _observer(args: argparse.Namespace, api: Any, opts: Any) -> Callable[[], Non
     from .hostfs import HostRoot
     from .metrics import AgentMetrics
     from .metrics_server import MetricsServer
-    from .ops_spool import OpsObserver, node_store_root
+    from .ops_spool import OpsObserver, node_store
     from .report import NodeError
 
     metrics = AgentMetrics()
@@ -473,9 +473,9 @@ def _observer(args: argparse.Namespace, api: Any, opts: Any) -> Callable[[], Non
     host = HostRoot(opts.host_root)
 
     def observe() -> None:
-        store_root = node_store_root(host, opts.shim_config)
-        if store_root is not None:
-            observer.round(store_root)
+        store = node_store(host, opts.shim_config)
+        if store is not None:
+            observer.round(store)
 
     return observe
 

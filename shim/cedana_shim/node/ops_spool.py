@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 MAX_RECORD_BYTES = 1 << 20
 
 
-def node_store_root(host: HostRoot, shim_config: str) -> str | None:
+def node_store(host: HostRoot, shim_config: str) -> StoreConfig | None:
     """The checkpoint store of the node config, as this process sees it; None
     (logged) when the config cannot be read."""
     try:
@@ -38,7 +38,7 @@ def node_store_root(host: HostRoot, shim_config: str) -> str | None:
     except ShimError as err:
         log.warning("cannot read the node config %s: %s", shim_config, err)
         return None
-    return host.path(config.store_path)
+    return StoreConfig.for_node(config, root=host.path(config.store_path))
 
 
 @dataclass
@@ -47,14 +47,14 @@ class OpsObserver:
     metrics: AgentMetrics
     node: str
 
-    def round(self, store_root: str) -> int:
+    def round(self, store: StoreConfig) -> int:
         """Refresh the store's gauges and consume the spool; the records consumed.
 
         The gauges first: a scrape that sees a record's counter (a restore) also sees
         the store as it was when that record was written, not the gauges of before a
         long spool was consumed."""
-        self.refresh_store(store_root)
-        return self.consume(oplog.spool_path(store_root))
+        self.refresh_store(store)
+        return self.consume(oplog.spool_path(store.root))
 
     def consume(self, spool: str) -> int:
         done = 0
@@ -120,14 +120,14 @@ class OpsObserver:
             self.metrics.records_lost.labels("spool_full").inc(dropped)
             log.warning("%d operation records were dropped from a full spool", dropped)
 
-    def refresh_store(self, store_root: str) -> None:
-        if not os.path.isdir(store_root):
+    def refresh_store(self, store: StoreConfig) -> None:
+        if not os.path.isdir(store.root):
             return  # no checkpoint was ever taken on this node
         try:
-            entries = Store(StoreConfig(root=store_root)).list()
-            pending = Outbox(store_root).pending()
+            entries = Store(store).list()
+            pending = Outbox(store.root).pending()
         except (ShimError, OSError) as err:
-            log.warning("cannot read the checkpoint store %s: %s", store_root, err)
+            log.warning("cannot read the checkpoint store %s: %s", store.root, err)
             return
         self.metrics.store_checkpoints.set(len(entries))
         # A compacted checkpoint may also keep its raw images (the restore cache).

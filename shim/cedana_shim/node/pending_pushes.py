@@ -15,9 +15,8 @@ import os
 import platform
 from dataclasses import replace
 
-from ..checkpoint.remote import Outbox, RemoteStore, sync
+from ..checkpoint.delivery import Delivery
 from ..checkpoint.remote.shared_dir import names_shared_dir
-from ..checkpoint.store import Store, StoreConfig
 from ..config import load_node_config
 from ..errors import ShimError
 from .hostfs import HostRoot
@@ -51,13 +50,10 @@ def push_pending(host: HostRoot, shim_config: str) -> list[str]:
         registry_ca=host.path(config.registry_ca) if config.registry_ca else "",
     )
     try:
-        store = Store(StoreConfig(root=store_root, chunk_size=config.chunk_size))
-        remote = RemoteStore.from_config(
-            store, config, os.environ.get("NODE_NAME") or platform.node()
+        delivery = Delivery.for_node(
+            config, root=store_root, node_name=os.environ.get("NODE_NAME") or platform.node()
         )
-        if remote is None:
-            return []
-        result = sync(remote, Outbox(store_root))
+        result = delivery.push()
     except (ShimError, OSError) as err:
         log.warning("pending pushes: %s", err)
         return []

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
 
 from cedana_shim import errors
 
 from .layout import Chunk, SplitFile, tar_raw_size
+
+if TYPE_CHECKING:
+    from cedana_shim.config import NodeConfig
 
 __all__ = [
     "COMMIT_STEPS",
@@ -70,6 +73,21 @@ class StoreConfig:
     # bytes, each its own zstd blob (shared by checkpoints that hold the same
     # bytes); 0 = one blob for the whole layer, as before chunks existed.
     chunk_size: int = 8 << 20
+
+    @classmethod
+    def for_node(cls, config: NodeConfig, *, root: str | None = None) -> StoreConfig:
+        """The store of a node config: the one place its keys become the store's
+        settings, for every process that opens the node's store (the shim, the Slurm
+        runner, the node agent, the CLI). ``root``: the store's path as this process
+        sees it (the node agent sees the host's under its mount)."""
+        return cls(
+            root=config.store_path if root is None else root,
+            compression_level=config.compression_level,
+            threads=config.compression_threads,
+            retain=config.retain,
+            cache_raw=config.cache_raw,
+            chunk_size=config.chunk_size,
+        )
 
 
 @dataclass(frozen=True)

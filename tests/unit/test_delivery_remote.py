@@ -1,21 +1,17 @@
-"""The pipeline's registry: one per daemon, built again when the credentials file
-changes (a rotated Secret reaches a daemon that outlives the token)."""
+"""The registry that checkpoints are delivered to: one per daemon, built again when the
+credentials file changes (a rotated Secret reaches a daemon that outlives the token)."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from cedana_shim.checkpoint.gpu_steps import GpuSteps
-from cedana_shim.checkpoint.pipeline import Pipeline
+from cedana_shim.checkpoint.delivery import Delivery
 from cedana_shim.checkpoint.remote import RemoteStore
 from cedana_shim.config import NodeConfig
-from cedana_shim.hooks.stub import StubHookRunner
-from cedana_shim.runtime.reaper import Reaper
 from store_support import make_store
 
 HOST = "127.0.0.1:9"
@@ -37,19 +33,14 @@ def test_the_registry_is_built_once_and_again_when_its_credentials_change(
     config = NodeConfig(
         registry=f"{HOST}/cedana", registry_insecure=True, registry_auth_file=str(auth)
     )
-    loop = asyncio.new_event_loop()
-    gpu = GpuSteps(config, Reaper(loop))
-    pipeline = Pipeline(make_store(tmp_path / "store"), config, StubHookRunner(), gpu)
-    try:
-        first = pipeline.remote()
-        assert pipeline.remote() is first  # nothing changed: the same client, its tokens
-        assert password(first) == "first"
-        write_auth(auth, "rotated")
-        second = pipeline.remote()
-        assert password(second) == "rotated"
-        assert pipeline.remote() is second
-    finally:
-        loop.close()
+    delivery = Delivery(make_store(tmp_path / "store"), config)
+    first = delivery.remote()
+    assert delivery.remote() is first  # nothing changed: the same client, its tokens
+    assert password(first) == "first"
+    write_auth(auth, "rotated")
+    second = delivery.remote()
+    assert password(second) == "rotated"
+    assert delivery.remote() is second
 
 
 def password(remote: RemoteStore) -> str:
