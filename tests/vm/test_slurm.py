@@ -99,6 +99,9 @@ def _job_cgroup(job_id: int) -> Path:
     return found[0]
 
 
+RUNNER = "cedana-slurm-task"
+
+
 def _scripts(pids: set[int]) -> dict[int, tuple[str, str]]:
     """Those of `pids` that run a Slurm batch script: pid -> (command line, cgroup)."""
     found = {}
@@ -157,8 +160,12 @@ def test_a_users_preempted_job_resumes_in_its_new_step_cgroup(
         pid: seen for pid, seen in running.items() if not f"{seen[1]}/".startswith(f"{step}/")
     }
     assert running and not outside, f"batch scripts outside {step}: {outside} (all: {running})"
-    for pid in running:
+    # The job's own processes run as its user; the task process that execs the runner
+    # (its argv ends with the script too) is root's.
+    shells = {pid for pid, (argv, _) in running.items() if RUNNER not in argv.split()[0]}
+    assert shells, f"no batch shell among {running}"
+    for pid in shells:
         uid = Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[0]
-        assert uid == str(user.uid), (pid, uid)
+        assert uid == str(user.uid), (pid, uid, running[pid])
     limit = (job / "memory.max").read_text().strip()
     assert limit.isdigit(), f"Slurm set no memory limit on {job}: {limit}"
