@@ -40,14 +40,13 @@ from _common import Report, ensure_venv, load_average, print_table, ratio, summa
 
 ensure_venv()
 
-from cedana_shim.checkpoint.pagemap import (  # noqa: E402
+from cedana_shim.checkpoint.pagemap import PARENT_LINK, flatten  # noqa: E402
+from cedana_shim.checkpoint.pagemap_image import (  # noqa: E402
     PAGE_SIZE,
-    PARENT_LINK,
     PE_PARENT,
     PE_PRESENT,
     Pagemap,
     PagemapEntry,
-    flatten,
     pages_name,
     write_pagemap,
 )

@@ -32,13 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from cedana_shim.checkpoint.pagemap import (
+from cedana_shim.checkpoint.pagemap import PARENT_LINK, flatten
+from cedana_shim.checkpoint.pagemap_image import (
     PAGE_SIZE,
-    PARENT_LINK,
     PE_PARENT,
     Pagemap,
     PagemapEntry,
-    flatten,
     is_pagemap_name,
     pages_name,
     read_pagemap,

@@ -1,21 +1,42 @@
 """CRIU pagemap images read page by page, for tests/unit and tests/privileged: what a
 dump (through its ``parent`` links, if any) holds at each address, read independently
-of the copying in cedana_shim.checkpoint.pagemap.flatten."""
+of the copying in cedana_shim.checkpoint.pagemap.flatten; and images built field by
+field, independently of the codec's encoder."""
 
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 
-from cedana_shim.checkpoint.pagemap import (
+from cedana_shim.api.criu import pagemap_pb2
+from cedana_shim.checkpoint.pagemap import PARENT_LINK
+from cedana_shim.checkpoint.pagemap_image import (
+    IMG_COMMON_MAGIC,
     PAGE_SIZE,
-    PARENT_LINK,
+    PAGEMAP_MAGIC,
     PE_PARENT,
     PE_PRESENT,
     is_pagemap_name,
     pages_name,
     read_pagemap,
 )
+
+
+def raw_image(pages_id: int | None, *entries: dict[str, int | bool]) -> bytes:
+    """An image built field by field (old-style entries, missing fields, ...)."""
+    parts = [struct.pack("<II", IMG_COMMON_MAGIC, PAGEMAP_MAGIC)]
+    messages: list[bytes] = []
+    if pages_id is not None:
+        messages.append(pagemap_pb2.PagemapHead(pages_id=pages_id).SerializeToString())
+    messages += [pagemap_pb2.PagemapEntry(**e).SerializePartialToString() for e in entries]
+    for body in messages:
+        parts += [struct.pack("<I", len(body)), body]
+    return b"".join(parts)
+
+
+def entry(vaddr: int, nr: int, flags: int = PE_PRESENT) -> dict[str, int | bool]:
+    return {"vaddr": vaddr, "compat_nr_pages": 0, "flags": flags, "nr_pages": nr}
 
 
 def pagemap_names(images: Path) -> list[str]:

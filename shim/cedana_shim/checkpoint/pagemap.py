@@ -1,23 +1,13 @@
-"""CRIU's pagemap images, and flattening a dirty-tracked dump into a self-contained one.
+"""Flattening a dirty-tracked dump into a self-contained one.
 
 A dump CRIU takes with ``--track-mem`` against a previous one (``--prev-images-dir``;
 runc ``--parent-path``) writes only the pages written since: its pagemap images
-mark the runs of pages it did not write with ``PE_PARENT``, and those pages stay in
-the previous dump, which CRIU finds through the ``parent`` symlink it leaves in the
-images dir (that dump may have a parent of its own). The shim stores every
-checkpoint self-contained (a checkpoint must restore, upload and be deleted on its
-own), so after such a dump :func:`flatten` copies the pages the chain holds into
-this dump and removes the link.
-
-The format (CRIU 4.2: images/pagemap.proto, criu/pagemap.c, criu/page-xfer.c):
-``pagemap-<pid>.img`` / ``pagemap-shmem-<id>.img`` is IMG_COMMON_MAGIC and
-PAGEMAP_MAGIC (u32 LE each), then length-prefixed (u32 LE) protobuf messages: a
-PagemapHead naming ``pages-<pages_id>.img``, then one PagemapEntry per run of
-pages in ascending address order. The pages image is raw: the pages of the
-``PE_PRESENT`` runs, in pagemap order. Entries are read the way CRIU reads them
-(``in_parent`` of old images is ``PE_PARENT``, no flags at all is ``PE_PRESENT``,
-``compat_nr_pages`` counts where ``nr_pages`` is absent) and written the way CRIU
-4.2 writes them (flags and nr_pages set, the required compat_nr_pages 0).
+(:mod:`.pagemap_image`) mark the runs of pages it did not write with ``PE_PARENT``,
+and those pages stay in the previous dump, which CRIU finds through the ``parent``
+symlink it leaves in the images dir (that dump may have a parent of its own). The
+shim stores every checkpoint self-contained (a checkpoint must restore, upload and be
+deleted on its own), so after such a dump :func:`flatten` copies the pages the chain
+holds into this dump and removes the link.
 
 Flattening keeps every entry as it is (no merging of adjacent runs: CRIU writes
 adjacent runs itself and restores them alike) and only turns ``PE_PARENT`` into
@@ -31,9 +21,6 @@ they are copied (bench/flatten.py: 1 GiB flattened in ~0.6 s instead of ~0.9 s, 
 rename over the old image no longer flushing it), and a dump whose flatten raised is not
 to be published. Bulk bytes move with ``copy_file_range`` (in the kernel, or a
 reflink), read/write where a file system or kernel does not support it.
-
-Only the stdlib and the store's fsutil at import; the generated protobuf module
-is imported on first use.
 """
 
 from __future__ import annotations
@@ -41,64 +28,35 @@ from __future__ import annotations
 import bisect
 import contextlib
 import errno
-import mmap
 import os
-import re
 import secrets
 import stat
-import struct
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Final
 
 from ..errors import DataLoss
+from .pagemap_image import (
+    PAGE_SIZE,
+    PE_PARENT,
+    PE_PRESENT,
+    Pagemap,
+    PagemapEntry,
+    encode,
+    is_pagemap_name,
+    open_image,
+    pages_name,
+    read_pagemap_at,
+    write_image,
+)
 from .store import fsutil
 
-__all__ = [
-    "IMG_COMMON_MAGIC",
-    "MAX_ENTRIES",
-    "MAX_ENTRY_BYTES",
-    "MAX_PARENT_DEPTH",
-    "PAGEMAP_MAGIC",
-    "PAGE_SIZE",
-    "PARENT_LINK",
-    "PE_LAZY",
-    "PE_PARENT",
-    "PE_PRESENT",
-    "FlattenStats",
-    "Pagemap",
-    "PagemapEntry",
-    "decode",
-    "encode",
-    "flatten",
-    "is_pagemap_name",
-    "pages_name",
-    "read_pagemap",
-    "write_pagemap",
-]
+__all__ = ["MAX_PARENT_DEPTH", "PARENT_LINK", "FlattenStats", "flatten"]
 
-PAGE_SIZE: Final = mmap.PAGESIZE
-IMG_COMMON_MAGIC: Final = 0x54564319
-PAGEMAP_MAGIC: Final = 0x56084025  # SHMEM_PAGEMAP_MAGIC is the same
-PE_PARENT: Final = 1 << 0  # the pages are in the parent dump
-PE_LAZY: Final = 1 << 1  # the pages may be restored lazily
-PE_PRESENT: Final = 1 << 2  # the pages are in this dump's pages image
 PARENT_LINK: Final = "parent"  # CR_PARENT_LINK
-
-# An entry is at most ~36 bytes (five fields, two of them 64-bit varints).
-MAX_ENTRY_BYTES: Final = 1024
-# Runs of pages in one image: a process with millions of mappings is far off this.
-MAX_ENTRIES: Final = 1 << 22
-MAX_IMAGE_BYTES: Final = 256 << 20
 # Parents above a dump: deeper chains are refused, and so is a link loop.
 MAX_PARENT_DEPTH: Final = 8
 
-_MAGICS: Final = struct.Struct("<II")
-_LENGTH: Final = struct.Struct("<I")
-_ADDRESS_LIMIT: Final = 1 << 64
-_UINT32_LIMIT: Final = 1 << 32
-_PAGEMAP_NAME: Final = re.compile(r"pagemap-(?:shmem-)?[0-9]+\.img")
 _COPY_CHUNK: Final = 8 << 20
 # copy_file_range refuses these where the kernel or a file system cannot copy: a
 # copy between file systems (EXDEV), an old kernel (ENOSYS), a file system without
@@ -106,45 +64,6 @@ _COPY_CHUNK: Final = 8 << 20
 _NO_IN_KERNEL_COPY: Final = frozenset(
     {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM}
 )
-
-
-@dataclass(frozen=True, slots=True)
-class PagemapEntry:
-    """One run of ``nr_pages`` pages from ``vaddr`` (an offset in the segment, for a
-    shmem pagemap), with its ``PE_*`` flags."""
-
-    vaddr: int
-    nr_pages: int
-    flags: int
-
-    @property
-    def end(self) -> int:
-        return self.vaddr + self.nr_pages * PAGE_SIZE
-
-    @property
-    def in_parent(self) -> bool:
-        return bool(self.flags & PE_PARENT)
-
-    @property
-    def present(self) -> bool:
-        return bool(self.flags & PE_PRESENT)
-
-
-@dataclass(frozen=True, slots=True)
-class Pagemap:
-    """A pagemap image: the id of its pages image and its runs, in address order."""
-
-    pages_id: int
-    entries: tuple[PagemapEntry, ...]
-
-    @property
-    def present_pages(self) -> int:
-        """Pages in the pages image (the sum over ``PE_PRESENT`` runs)."""
-        return sum(e.nr_pages for e in self.entries if e.flags & PE_PRESENT)
-
-    @property
-    def parent_pages(self) -> int:
-        return sum(e.nr_pages for e in self.entries if e.flags & PE_PARENT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,195 +78,6 @@ class FlattenStats:
     pages_own: int
     bytes_written: int
     seconds: float
-
-
-def is_pagemap_name(name: str) -> bool:
-    """``pagemap-<pid>.img`` or ``pagemap-shmem-<id>.img``."""
-    return _PAGEMAP_NAME.fullmatch(name) is not None
-
-
-def pages_name(pages_id: int) -> str:
-    return f"pages-{pages_id}.img"
-
-
-def _check_entry(entry: PagemapEntry, name: str, index: int, prev_end: int) -> None:
-    where = f"{name}: entry {index} ({entry.vaddr:#x}, {entry.nr_pages} pages)"
-    if entry.vaddr % PAGE_SIZE:
-        raise DataLoss(f"{where}: address not page-aligned")
-    if entry.nr_pages <= 0:
-        raise DataLoss(f"{where}: no pages")
-    if entry.end > _ADDRESS_LIMIT:
-        raise DataLoss(f"{where}: run overflows the 64-bit address space")
-    if entry.vaddr < prev_end:
-        raise DataLoss(f"{where}: overlaps or precedes the run before it (ends {prev_end:#x})")
-    if entry.flags & PE_PARENT and entry.flags & PE_PRESENT:
-        raise DataLoss(f"{where}: both in the parent and present")
-    if not 0 <= entry.flags < _UINT32_LIMIT:
-        raise DataLoss(f"{where}: flags {entry.flags:#x} out of range")
-
-
-def _records(data: bytes, name: str) -> Iterator[tuple[int, bytes]]:
-    """(offset, message bytes) of each length-prefixed record after the magics."""
-    pos = _MAGICS.size
-    while pos < len(data):
-        if len(data) - pos < _LENGTH.size:
-            raise DataLoss(f"{name}: truncated length at offset {pos}")
-        (length,) = _LENGTH.unpack_from(data, pos)
-        if length > MAX_ENTRY_BYTES:
-            raise DataLoss(f"{name}: entry at offset {pos} claims {length} bytes")
-        start = pos + _LENGTH.size
-        if start + length > len(data):
-            raise DataLoss(
-                f"{name}: truncated entry at offset {pos} "
-                f"({length} bytes claimed, {len(data) - start} left)"
-            )
-        yield pos, data[start : start + length]
-        pos = start + length
-
-
-def decode(data: bytes, name: str = "pagemap") -> Pagemap:
-    """The pagemap in ``data`` (a whole image), validated; :class:`DataLoss` naming
-    ``name`` and what is wrong otherwise."""
-    from google.protobuf.message import DecodeError
-
-    from ..api.criu import pagemap_pb2
-
-    if len(data) > MAX_IMAGE_BYTES:
-        raise DataLoss(f"{name}: {len(data)} bytes, over the {MAX_IMAGE_BYTES} a pagemap may be")
-    if len(data) < _MAGICS.size:
-        raise DataLoss(f"{name}: {len(data)} bytes, shorter than the image magics")
-    common, magic = _MAGICS.unpack_from(data)
-    if common != IMG_COMMON_MAGIC or magic != PAGEMAP_MAGIC:
-        raise DataLoss(f"{name}: magic {common:#x} {magic:#x} is not a pagemap image's")
-    records = _records(data, name)
-    head = pagemap_pb2.PagemapHead()
-    try:
-        offset, body = next(records)
-        head.ParseFromString(body)
-    except StopIteration:
-        raise DataLoss(f"{name}: no pagemap head") from None
-    except DecodeError as err:
-        raise DataLoss(f"{name}: head at offset {offset} is corrupt: {err}") from err
-    if not head.IsInitialized():
-        raise DataLoss(f"{name}: head at offset {offset} lacks pages_id")
-    entries: list[PagemapEntry] = []
-    prev_end = 0
-    pe = pagemap_pb2.PagemapEntry()
-    for offset, body in records:
-        if len(entries) >= MAX_ENTRIES:
-            raise DataLoss(f"{name}: more than {MAX_ENTRIES} entries")
-        try:
-            pe.ParseFromString(body)
-        except DecodeError as err:
-            raise DataLoss(f"{name}: entry at offset {offset} is corrupt: {err}") from err
-        if not pe.IsInitialized():
-            raise DataLoss(f"{name}: entry at offset {offset} lacks a required field")
-        # As CRIU's init_compat_pagemap_entry reads it.
-        flags = pe.flags if pe.HasField("flags") else 0
-        if pe.HasField("in_parent") and pe.in_parent:
-            flags |= PE_PARENT
-        elif not pe.HasField("flags"):
-            flags = PE_PRESENT
-        nr_pages = pe.nr_pages if pe.HasField("nr_pages") else pe.compat_nr_pages
-        entry = PagemapEntry(pe.vaddr, nr_pages, flags)
-        _check_entry(entry, name, len(entries), prev_end)
-        entries.append(entry)
-        prev_end = entry.end
-    return Pagemap(head.pages_id, tuple(entries))
-
-
-def encode(pagemap: Pagemap, name: str = "pagemap") -> bytes:
-    """The image of ``pagemap``, entries as CRIU 4.2 writes them (write_pagemap_loc:
-    flags and nr_pages, compat_nr_pages 0); :class:`DataLoss` for a pagemap that
-    :func:`decode` would refuse."""
-    from ..api.criu import pagemap_pb2
-
-    if not 0 <= pagemap.pages_id < _UINT32_LIMIT:
-        raise DataLoss(f"{name}: pages_id {pagemap.pages_id} out of range")
-    if len(pagemap.entries) > MAX_ENTRIES:
-        raise DataLoss(f"{name}: more than {MAX_ENTRIES} entries")
-    parts = [_MAGICS.pack(IMG_COMMON_MAGIC, PAGEMAP_MAGIC)]
-    body = pagemap_pb2.PagemapHead(pages_id=pagemap.pages_id).SerializeToString()
-    parts += (_LENGTH.pack(len(body)), body)
-    prev_end = 0
-    for index, entry in enumerate(pagemap.entries):
-        _check_entry(entry, name, index, prev_end)
-        prev_end = entry.end
-        body = pagemap_pb2.PagemapEntry(
-            vaddr=entry.vaddr, compat_nr_pages=0, flags=entry.flags, nr_pages=entry.nr_pages
-        ).SerializeToString()
-        parts += (_LENGTH.pack(len(body)), body)
-    data = b"".join(parts)
-    if len(data) > MAX_IMAGE_BYTES:
-        raise DataLoss(f"{name}: {len(data)} bytes, over the {MAX_IMAGE_BYTES} a pagemap may be")
-    return data
-
-
-def _open_image(name: str, dir_fd: int | None, label: str) -> int:
-    """A read-only fd of the regular file ``name``, never through a symlink."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise
-    except OSError as err:
-        raise DataLoss(f"{label}: cannot open: {err.strerror}") from err
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise DataLoss(f"{label}: not a regular file")
-    return fd
-
-
-def _read_all(fd: int, label: str) -> bytes:
-    size = os.fstat(fd).st_size
-    if size > MAX_IMAGE_BYTES:
-        raise DataLoss(f"{label}: {size} bytes, over the {MAX_IMAGE_BYTES} a pagemap may be")
-    chunks: list[bytes] = []
-    left = MAX_IMAGE_BYTES + 1
-    while left > 0:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def _read_at(name: str, dir_fd: int | None, label: str) -> Pagemap:
-    fd = _open_image(name, dir_fd, label)
-    try:
-        return decode(_read_all(fd, label), label)
-    finally:
-        os.close(fd)
-
-
-def read_pagemap(path: str) -> Pagemap:
-    """The pagemap image at ``path`` (not followed if a symlink), validated."""
-    try:
-        return _read_at(path, None, path)
-    except FileNotFoundError as err:
-        raise DataLoss(f"{path}: no such pagemap image") from err
-
-
-def _write_new(name: str, dir_fd: int | None, data: bytes, mode: int) -> None:
-    fd = os.open(
-        name,
-        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-        mode,
-        dir_fd=dir_fd,
-    )
-    try:
-        fsutil.write_all(fd, data)
-    finally:
-        os.close(fd)
-
-
-def write_pagemap(path: str, pagemap: Pagemap) -> None:
-    """Write ``pagemap`` to ``path``, a file that must not exist yet (mode 0644 less
-    the umask, CRIU's CR_FD_PERM)."""
-    _write_new(path, None, encode(pagemap, path), 0o644)
-
-
-# --- flattening ---------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -436,7 +166,7 @@ class _Chain:
         label = os.path.join(dump.label, self.name)
         pages_label = os.path.join(dump.label, pages_name(pagemap.pages_id))
         try:
-            pages_fd = _open_image(pages_name(pagemap.pages_id), dump.dir_fd, pages_label)
+            pages_fd = open_image(pages_name(pagemap.pages_id), dump.dir_fd, pages_label)
         except FileNotFoundError:
             raise DataLoss(f"{label}: its pages image {pages_label} is missing") from None
         starts: list[int] = []
@@ -457,7 +187,7 @@ class _Chain:
         if dump.depth not in self.images:
             label = os.path.join(dump.label, self.name)
             try:
-                pagemap = _read_at(self.name, dump.dir_fd, label)
+                pagemap = read_pagemap_at(self.name, dump.dir_fd, label)
             except FileNotFoundError:
                 raise DataLoss(
                     f"{self.child}: has pages in the parent, and there is no {label}"
@@ -552,7 +282,7 @@ def _scan(dir_fd: int, label: str) -> dict[str, Pagemap]:
     for name in sorted(n for n in os.listdir(dir_fd) if is_pagemap_name(n)):
         path = os.path.join(label, name)
         try:
-            pagemap = _read_at(name, dir_fd, path)
+            pagemap = read_pagemap_at(name, dir_fd, path)
         except FileNotFoundError:
             continue
         if pagemap.pages_id in owners:
@@ -615,7 +345,7 @@ def flatten(images_dir: str) -> FlattenStats | None:
             map_temp = _temp_name(name)
             map_mode = stat.S_IMODE(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
             temps.append(map_temp)
-            _write_new(map_temp, dir_fd, data, map_mode)
+            write_image(map_temp, dir_fd, data, map_mode)
             written += len(data)
             own += plan.own
             from_parents += plan.from_parents
