@@ -5,6 +5,10 @@ into host memory (lock, checkpoint) before CRIU dumps it, so the dump holds
 everything; after a leave-running dump, or after a restore, the state goes back
 (restore, unlock). ``gpu.orchestrator`` does that for all processes in parallel
 and undoes a partial freeze, so a failure never leaves the workload locked.
+
+The pipeline and the restore session ask for these steps through
+:class:`GpuStepRunner`; :class:`GpuSteps` runs them on the node's GPUs (tests use
+tests/unit/fakes/stub_gpu_steps.py).
 """
 
 from __future__ import annotations
@@ -12,11 +16,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import NodeConfig
 from ..runtime.reaper import Reaper
 from ..runtime.runc import Runc
+
+if TYPE_CHECKING:
+    from ..gpu.driver import CudaCheckpointDriver
+    from ..gpu.records import Frozen
 
 GPU_DEVICE_PREFIX = "/dev/nvidia"
 NO_DEVICES = {"", "void", "none"}
@@ -51,17 +59,51 @@ def gpu_requested(spec: Mapping[str, Any]) -> bool:
 @dataclass
 class GpuDump:
     metadata: dict[str, Any]
-    frozen: Any = None  # gpu.records.Frozen; None when no CUDA process was running
-    driver: Any = None
+    frozen: Frozen | None = None  # None when no CUDA process was running
+    driver: CudaCheckpointDriver | None = None
+
+
+class GpuStepRunner(Protocol):
+    """The GPU steps around CRIU: what the pipeline asks before and after a dump, and
+    the restore session of a checkpoint with GPU state."""
+
+    async def before_dump(
+        self, container_id: str, spec: Mapping[str, Any], runc: Runc
+    ) -> GpuDump | None:
+        """Lock and checkpoint the container's CUDA processes; None for a CPU container."""
+        ...
+
+    async def after_dump(self, dump: GpuDump, *, thaw_processes: bool) -> None:
+        """Give the GPU back to processes that go on running."""
+        ...
+
+    def restore_mapping(
+        self, recorded: Mapping[str, Any], spec: Mapping[str, Any], container_id: str
+    ) -> dict[str, str] | None:
+        """GPU UUID map for restoring onto this node's GPUs; raises when they do not
+        fit. Blocking."""
+        ...
+
+    async def after_restore(
+        self,
+        container_id: str,
+        pids: Sequence[int],
+        recorded: Mapping[str, Any],
+        device_map: Mapping[str, str] | None,
+    ) -> dict[str, Any]:
+        """The GPU state back into the restored processes ``pids``, then unlocked."""
+        ...
 
 
 class GpuSteps:
+    """The GPU steps on this node's GPUs, through ``gpu/`` (a :class:`GpuStepRunner`)."""
+
     def __init__(self, config: NodeConfig, reaper: Reaper) -> None:
         self.config = config
         self.reaper = reaper
-        self._driver: Any = None
+        self._driver: CudaCheckpointDriver | None = None
 
-    def _choose(self, container_id: str, loop: asyncio.AbstractEventLoop) -> Any:
+    def _choose(self, container_id: str, loop: asyncio.AbstractEventLoop) -> CudaCheckpointDriver:
         from ..gpu.driver_cli import reaper_runner
         from ..gpu.select import choose_driver
 
@@ -106,7 +148,7 @@ class GpuSteps:
 
     async def after_dump(self, dump: GpuDump, *, thaw_processes: bool) -> None:
         """Give the GPU back to processes that go on running (leave-running, or a failed dump)."""
-        if dump.frozen is None or not thaw_processes:
+        if dump.frozen is None or dump.driver is None or not thaw_processes:
             return
         from ..gpu.orchestrator import thaw
 

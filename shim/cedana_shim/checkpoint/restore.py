@@ -70,7 +70,7 @@ from ..hooks import HookFailed, HookRunner, HookState, Stage
 from ..runtime.criu_stats import restore_stats
 from . import cpu_fit, criu_config
 from .compat import image_mismatch, incompatible
-from .gpu_steps import GpuSteps
+from .gpu_steps import GpuStepRunner
 from .layers import CRIU_LAYER, ROOTFS_LAYER, SHM_LAYER, shm_source
 from .netinfo import tcp_can_live
 from .oplog import PhaseClock
@@ -243,7 +243,7 @@ class RestoreSession:
         *,
         store: Store,
         hooks: HookRunner,
-        gpu: GpuSteps,
+        gpu: GpuStepRunner,
         config: NodeConfig,
         policy: Policy,
         container_id: str,
