@@ -77,7 +77,7 @@ async def misfit(
 ) -> str:
     """Why this node's CPU cannot restore a checkpoint whose metadata recorded
     ``recorded`` as its ``cpuinfo``; "" when it fits, or when nothing was recorded.
-    ``check`` is the restore host's :func:`check` (it runs CRIU through its reaper)."""
+    ``check`` is :func:`check` with the restoring runc (CRIU runs through its reaper)."""
     if recorded is None or recorded == "":
         return ""
     image = decode(recorded)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import platform
@@ -68,6 +69,7 @@ from ..errors import (
 )
 from ..hooks import HookFailed, HookRunner, HookState, Stage
 from ..runtime.criu_stats import restore_stats
+from ..runtime.runc import Runc
 from . import cpu_fit, criu_config
 from .compat import image_mismatch, incompatible
 from .gpu_steps import GpuStepRunner
@@ -80,6 +82,7 @@ from .store import Entry, Store, priority
 from .store.failures import Failure, failed_last, has_failed
 
 if TYPE_CHECKING:
+    from .pipeline import Versions
     from .remote import RemoteCheckpoint, RemoteStore
 
 log = logging.getLogger(__name__)
@@ -114,27 +117,22 @@ class RestoreRequest:
 
 
 class RestoreHost(Protocol):
-    """The container a session restores: the few things it needs done to it."""
+    """The container a session restores: the few things it needs done to it, each
+    done its own way by a containerd task and by a Slurm job."""
 
-    @property
-    def container_id(self) -> str: ...
     @property
     def bundle(self) -> str: ...
     @property
     def rootfs(self) -> str: ...
     @property
     def spec(self) -> Mapping[str, Any]: ...
+    @property
+    def runc(self) -> Runc:
+        """The runc that restores it (the node's tool versions, its CPU check, are
+        asked through it)."""
+        ...
 
     async def network_facts(self) -> Any: ...
-    async def tool_versions(self) -> Mapping[str, str]:
-        """This node's kernel, arch, CRIU and runc versions (as a checkpoint records)."""
-        ...
-
-    async def cpu_misfit(self, cpuinfo: bytes, cpu_cap: str) -> str:
-        """Why this node's CPU cannot restore a dump whose CRIU wrote ``cpuinfo``
-        (:func:`.cpu_fit.check`); "" when it fits."""
-        ...
-
     async def restore_images(self, request: RestoreRequest) -> int:
         """``runc restore`` from the images; the new init's pid. With
         ``request.lazy_pages``, returned once the tasks have all their memory;
@@ -251,6 +249,7 @@ class RestoreSession:
         writing_here: Callable[[str, str], bool] = lambda scope, label: False,
         remote: Callable[[], RemoteStore] | None = None,
         image_digest: Callable[[], Awaitable[str]] | None = None,
+        versions: Versions | None = None,
     ) -> None:
         self.store = store
         self.hooks = hooks
@@ -263,6 +262,12 @@ class RestoreSession:
             container_id, policy.scope, policy.label, requested=policy.restore
         )
         self._remote = remote  # the node's registry, when it has one
+        if versions is None:
+            from .pipeline import Versions  # the pipeline imports what imports this module
+
+            versions = Versions()
+        # This node's tool versions: the pipeline's (asked once per daemon) when given.
+        self._versions = versions
         # This container's image digest, asked of containerd (blocking) only when a
         # checkpoint from another node is considered; policy.image_digest when pinned.
         self._image_digest = image_digest
@@ -473,7 +478,7 @@ class RestoreSession:
         here: Mapping[str, str] = {}
         while self._remaining:
             if not here:
-                here = await host.tool_versions()
+                here = await self._versions.get(host.runc)
             candidate = self._remaining.pop(0)
             if isinstance(candidate, Entry):
                 entry = candidate
@@ -523,7 +528,9 @@ class RestoreSession:
                         metadata, self.policy.image, await self._container_image_digest()
                     )
                     or await cpu_fit.misfit(
-                        metadata.get(cpu_fit.METADATA_KEY), self.config, host.cpu_misfit
+                        metadata.get(cpu_fit.METADATA_KEY),
+                        self.config,
+                        functools.partial(cpu_fit.check, host.runc),
                     )
                     or await asyncio.to_thread(self._gpu_misfit, metadata, host.spec)
                 )

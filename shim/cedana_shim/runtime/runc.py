@@ -410,6 +410,14 @@ class Runc:
         except RuncNotFound as err:
             logger.debug("runc delete: %s", err.message, extra={"container_id": id})
 
+    async def discard(self, id: str) -> None:
+        """Kill every process of ``id`` and delete it, whatever a failed or abandoned
+        start left of it; nothing left is no error."""
+        with contextlib.suppress(errors.ShimError):
+            await self.kill(id, signal.SIGKILL, all=True)
+        with contextlib.suppress(errors.ShimError, OSError):
+            await self.delete(id, force=True)
+
     async def pause(self, id: str) -> None:
         await self._run("pause", id, [id])
 

@@ -15,15 +15,12 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from ..checkpoint import cpu_fit
 from ..checkpoint.pipeline import Target
 from ..checkpoint.policy import Policy
 from ..checkpoint.restore import RestoreRequest
-from ..errors import ShimError
 from ..runtime.runc import CreateOpts, RestoreOpts, Runc, Stdio, read_pid_file
 from .batch_script import BatchScript
 
@@ -91,7 +88,6 @@ class JobHost:
         spec: dict[str, Any],
         runc: Runc,
         policy: Policy,
-        versions: Any,
         script: BatchScript | None = None,
         out: int = 1,
         err: int = 2,
@@ -102,7 +98,6 @@ class JobHost:
         self._spec = spec
         self.runc = runc
         self.policy = policy
-        self._versions = versions
         self.script = script
         self._out, self._err = out, err
         self.io: JobStdio | None = None
@@ -129,12 +124,6 @@ class JobHost:
     async def network_facts(self) -> Any:
         # The host's network: a restored job's connections are closed (tcp-close).
         return {}
-
-    async def tool_versions(self) -> Mapping[str, str]:
-        return dict(await self._versions.get(self.runc))
-
-    async def cpu_misfit(self, cpuinfo: bytes, cpu_cap: str) -> str:
-        return await cpu_fit.check(self.runc, cpuinfo, cpu_cap)
 
     async def restore_images(self, request: RestoreRequest) -> int:
         if self.script is not None:
@@ -172,10 +161,7 @@ class JobHost:
         return await self.runc.ps(self.container_id)
 
     async def discard_attempt(self) -> None:
-        with contextlib.suppress(ShimError):
-            await self.runc.kill(self.container_id, signal.SIGKILL, all=True)
-        with contextlib.suppress(ShimError, OSError):
-            await self.runc.delete(self.container_id, force=True)
+        await self.runc.discard(self.container_id)
 
     async def reset_rootfs(self) -> None:
         """Nothing to reset: the root is the host's, and no checkpoint of a job has a

@@ -311,7 +311,6 @@ class JobRun:
             spec=spec,
             runc=runc,
             policy=cr.policy,
-            versions=cr.pipeline.versions,
             script=BatchScript(self.request.job_id, self.request.step_id, self.request.argv),
         )
 

@@ -22,7 +22,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,10 +88,6 @@ class Container:
 
     @property
     def id(self) -> str:
-        return self.config.id
-
-    @property
-    def container_id(self) -> str:
         return self.config.id
 
     @property
@@ -257,15 +253,6 @@ class Container:
             log.warning("no network facts", extra={"container": self.id, "error": str(err)})
             return {}
 
-    async def tool_versions(self) -> Mapping[str, str]:
-        assert self.cr is not None  # a restore session exists for opted-in containers only
-        return await self.cr.pipeline.versions.get(self.runc)
-
-    async def cpu_misfit(self, cpuinfo: bytes, cpu_cap: str) -> str:
-        from ..checkpoint.cpu_fit import check
-
-        return await check(self.runc, cpuinfo, cpu_cap)
-
     async def restore_images(self, request: RestoreRequest) -> int:
         """``runc restore``; lazily (``request.lazy_pages``) it returns once every page is
         in, the tasks running (and their stdio copied) meanwhile."""
@@ -312,10 +299,7 @@ class Container:
         return await self.runc.ps(self.id)
 
     async def discard_attempt(self) -> None:
-        with contextlib.suppress(ShimError):
-            await self.runc.kill(self.id, signal.SIGKILL, all=True)
-        with contextlib.suppress(ShimError, OSError):
-            await self.runc.delete(self.id, force=True)
+        await self.runc.discard(self.id)
         # A runc restore killed before it wrote its state (a Kill, restore_timeout) left
         # the cgroups it made, unknown to runc delete.
         path = str((self.spec.get("linux") or {}).get("cgroupsPath") or "")
