@@ -31,7 +31,7 @@ def test_operations_cover_the_lifecycle() -> None:
     assert {
         "start", "kill", "update", "resize", "delete", "pause", "resume", "checkpoint",
         "checkpointed", "exec", "restore", "restored", "restore-failed", "stop",
-        "stop-failed", "exited",
+        "stop-failed", "exited", "plan-restore",
     } <= set(OPERATIONS)  # fmt: skip
 
 

@@ -282,6 +282,47 @@ def test_manual_checkpoint_of_a_paused_container_leaves_it_paused(tmp_path: Path
     TaskWorld(tmp_path).run(body)
 
 
+def test_a_checkpoint_asked_during_a_pause_waits_for_it(tmp_path: Path) -> None:
+    # One lock per process: the checkpoint's change of state waits for the Pause's (it
+    # once went RUNNING -> CHECKPOINTING between the Pause's check and its commit, and
+    # the Pause failed with runc having paused the container).
+    world = TaskWorld(tmp_path)
+    world.fake.control(pause={"sleep": 1.0})
+
+    async def body(env: TaskEnv) -> None:
+        pid = await env.run("c1", SLEEP, label="web")
+        pausing = asyncio.ensure_future(env.pause("c1"))
+        await env.fake_called("pause")
+        manual = asyncio.ensure_future(env.cedana_checkpoint("c1", leave_running=True))
+        await pausing
+        resp = await manual
+        assert env.checkpoints_of("web") == [resp.checkpoint_id]
+        assert env.container("c1").init.state is State.PAUSED
+        assert env.fake.status("c1") == "paused"
+        await env.resume("c1")
+        assert env.container("c1").init.state is State.RUNNING
+        assert env.fake.live_pids("c1") == [pid]
+
+    world.run(body)
+
+
+def test_a_pause_during_a_dump_is_refused_before_runc_pauses(tmp_path: Path) -> None:
+    world = TaskWorld(tmp_path)
+    world.fake.control(checkpoint={"sleep": 0.5})
+
+    async def body(env: TaskEnv) -> None:
+        await env.run("c1", SLEEP, label="web")
+        manual = asyncio.ensure_future(env.cedana_checkpoint("c1", leave_running=True))
+        await env.fake_called("checkpoint")
+        with pytest.raises(FailedPrecondition, match="cannot pause container c1 in checkpointing"):
+            await env.pause("c1")
+        await manual
+        assert env.container("c1").init.state is State.RUNNING
+        assert env.fake.status("c1") == "running"
+
+    world.run(body)
+
+
 def test_sigkill_abandons_a_manual_checkpoint_with_a_clear_error(tmp_path: Path) -> None:
     world = TaskWorld(tmp_path)
     world.fake.control(checkpoint={"sleep": 30})

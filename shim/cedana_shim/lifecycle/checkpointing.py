@@ -11,7 +11,9 @@
   after the checkpoint is durable. If it cannot be made durable the container is
   thawed, goes back to RUNNING and gets the signal, as it would without us.
 
-Dumps of one container run one at a time; a SIGKILL abandons the one in progress
+The process's one lock guards its state: every change of state here is made under it,
+and it is released for the dump and the publish. Checkpoints of one container run
+one at a time (their turn, dump through publish); a SIGKILL abandons the one in progress
 (nothing of it becomes visible). What follows durability (compaction, the push, the
 wait for it before a stop's exit) belongs to the pipeline's
 :class:`~cedana_shim.checkpoint.delivery.Delivery`.
@@ -23,8 +25,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..api.cedana.v1 import cedana_pb2 as cedana_ev
@@ -54,7 +56,10 @@ class Checkpointing:
     policy: Policy
     pipeline: Pipeline
     manager: CheckpointManager
-    _dump_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # A checkpoint's turn, dump through publish: the next one waits for it (on the
+    # process lock's condition; the process lock is the one lock of its states).
+    _turns: asyncio.Condition | None = None
+    _busy: bool = False
     _dumping: asyncio.Task[Dump] | None = None  # for a SIGKILL to abandon
     _stop: asyncio.Task[Any] | None = None
     _periodic: asyncio.Task[None] | None = None
@@ -72,15 +77,20 @@ class Checkpointing:
     # -- leave-running checkpoints ----------------------------------------------
 
     async def checkpoint(self, init: Process, target: TargetFn, request: DumpRequest) -> Entry:
-        """Dump and publish while the container keeps running; durable on return."""
-        async with self._dump_lock:
-            init.commit("checkpoint")
+        """Dump and publish while the container keeps running (frozen for the dump; a
+        paused one as it is, and it stays paused); durable on return."""
+        async with self._turn(init):
+            async with init.lock:
+                init.commit("checkpoint")
+                # A paused container is dumped as it is, and stays paused.
+                request = replace(request, freeze=init.state is State.CHECKPOINTING)
             with self.manager.writing_label(self.policy):
                 try:
                     dump = await self._dump(target(), request)
                 finally:
-                    if init.state in (State.CHECKPOINTING, State.CHECKPOINTING_PAUSED):
-                        init.commit("checkpointed")
+                    async with init.lock:
+                        if init.state in (State.CHECKPOINTING, State.CHECKPOINTING_PAUSED):
+                            init.commit("checkpointed")
                 return await self._publish(dump, request.reason)
 
     async def task_api_checkpoint(
@@ -93,12 +103,30 @@ class Checkpointing:
         """
         # containerd's client pauses the task for this itself; a running one is
         # frozen by us so that its memory and files are saved at the same instant.
-        request = DumpRequest("task-api", freeze=init.state is State.RUNNING, mirror_to=mirror_to)
-        entry = await self.checkpoint(init, target, request)
+        entry = await self.checkpoint(init, target, DumpRequest("task-api", mirror_to=mirror_to))
         if exit:
             with contextlib.suppress(NotFound):
                 await target().runc.kill(self.container_id, signal.SIGKILL, all=True)
         return entry
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, init: Process) -> AsyncIterator[None]:
+        """One checkpoint of the container at a time, from its dump through its publish
+        (the next dump's parent is the last one published). The process lock is held
+        only to wait for the turn and, by the caller, for each change of state: never
+        across the dump, so a Pause, a Kill or an exit is never kept waiting by one."""
+        if self._turns is None:
+            self._turns = asyncio.Condition(init.lock)
+        turns = self._turns
+        async with turns:
+            await turns.wait_for(lambda: not self._busy)
+            self._busy = True
+        try:
+            yield
+        finally:
+            async with turns:
+                self._busy = False
+                turns.notify_all()
 
     # -- checkpoint on stop ---------------------------------------------------------
 
@@ -132,16 +160,17 @@ class Checkpointing:
         On any failure before the checkpoint is durable the container is thawed
         and (``signal_on_failure``) gets ``sig``; the error is raised either way.
         """
-        async with self._dump_lock:
-            if init.state is not State.RUNNING:
-                if signal_on_failure and init.state in LIVE:
-                    with contextlib.suppress(NotFound):  # paused meanwhile: as without us
-                        await target().runc.kill(self.container_id, sig)
-                raise FailedPrecondition(
-                    f"cannot checkpoint-and-stop container {self.container_id}: it is "
-                    f"{init.state.value}"
-                )
-            init.begin_stop(sig)
+        async with self._turn(init):
+            async with init.lock:
+                if init.state is not State.RUNNING:
+                    if signal_on_failure and init.state in LIVE:
+                        with contextlib.suppress(NotFound):  # paused meanwhile: as without us
+                            await target().runc.kill(self.container_id, sig)
+                    raise FailedPrecondition(
+                        f"cannot checkpoint-and-stop container {self.container_id}: it is "
+                        f"{init.state.value}"
+                    )
+                init.begin_stop(sig)
             current = target()
             dump: Dump | None = None
             with self.manager.writing_label(self.policy), _stopping_marked(current.bundle, sig):
@@ -159,9 +188,10 @@ class Checkpointing:
                         with contextlib.suppress(NotFound):
                             await current.runc.kill(self.container_id, sig)
                     raise
-            if init.stop is None:  # no longer STOPPING: it died meanwhile (OOM, a kill
-                return entry  # from outside), nothing left to stop
-            init.stop_durable()
+            async with init.lock:
+                if init.stop is None:  # no longer STOPPING: it died meanwhile (OOM, a kill
+                    return entry  # from outside), nothing left to stop
+                init.stop_durable()
         if self.config.registry and self.config.registry_sync == "before-exit":
             await self.pipeline.delivery.wait_pushed(
                 entry, self._after_commit, self._hurry, self.container_id
@@ -204,8 +234,9 @@ class Checkpointing:
                     "cannot thaw the container after a failed checkpoint on stop",
                     extra={"container": self.container_id, "error": str(thaw_err)},
                 )
-        if init.state is State.STOPPING:
-            init.commit("stop-failed")
+        async with init.lock:
+            if init.state is State.STOPPING:
+                init.commit("stop-failed")
 
     async def abort(self, init: Process) -> None:
         """A SIGKILL arrived: give up a dump in progress; nothing of it becomes visible."""

@@ -7,7 +7,8 @@ state, and the state is left unchanged. Callers do the side effect first and
 commit the transition after it succeeded (containerd's ``init_state.go``); long
 operations have their own states with a written way back:
 
-* RESTORE_PENDING -restore-> RESTORING -restored-> RUNNING; a Start that could
+* CREATED -plan-restore-> RESTORE_PENDING (a Create that will restore at Start);
+  RESTORE_PENDING -restore-> RESTORING -restored-> RUNNING; a Start that could
   neither restore nor start cold goes back to CREATED (``restore-failed``), a
   Kill during the restore ends it (the exit is 128+signal).
 * RUNNING -checkpoint-> CHECKPOINTING -checkpointed-> RUNNING (PAUSED has its
@@ -18,7 +19,10 @@ operations have their own states with a written way back:
   checkpoint cannot be made durable, ``stop-failed`` goes back to RUNNING and
   the application gets its signal.
 
-An exit that cannot be recorded is a broken invariant, not a user error.
+Only :meth:`Process.commit` writes a state, under the process's one lock
+(:attr:`Process.lock`), which is held for the changes of state and released for the
+long calls between them (runwasi's habit). An exit that cannot be recorded is a
+broken invariant, not a user error.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ INIT_TRANSITIONS: dict[tuple[State, str], State] = {
     (State.CREATED, "resize"): State.CREATED,
     (State.CREATED, "delete"): State.DELETED,
     (State.CREATED, "exited"): State.STOPPED,
+    (State.CREATED, "plan-restore"): State.RESTORE_PENDING,
     (State.RESTORE_PENDING, "restore"): State.RESTORING,
     (State.RESTORE_PENDING, "kill"): State.RESTORE_PENDING,
     (State.RESTORE_PENDING, "delete"): State.DELETED,

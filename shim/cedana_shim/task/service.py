@@ -111,9 +111,7 @@ class TaskService:
         container = self.container(req.container_id)
         cr = require_enabled(container.cr, req.container_id)
         if req.leave_running:
-            # A paused container is dumped as it is, and stays paused.
-            freeze = container.init.state is State.RUNNING
-            request = DumpRequest("manual", freeze=freeze)
+            request = DumpRequest("manual")
             entry = await cr.checkpoint(container.init, container.target, request)
         else:
             entry = await cr.stop(
