@@ -162,7 +162,11 @@ def test_a_users_preempted_job_resumes_in_its_new_step_cgroup(
     assert running and not outside, f"batch scripts outside {step}: {outside} (all: {running})"
     # The job's own processes run as its user; the task process that execs the runner
     # (its argv ends with the script too) is root's.
-    shells = {pid for pid, (argv, _) in running.items() if RUNNER not in argv.split()[0]}
+    shells = {
+        pid
+        for pid, (argv, _) in running.items()
+        if not any(Path(arg).name == RUNNER for arg in argv.split())
+    }
     assert shells, f"no batch shell among {running}"
     for pid in shells:
         uid = Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[0]
