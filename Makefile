@@ -30,7 +30,7 @@ venv:
 	    $(PYTHON) -m venv $(VENV); \
 	  fi; \
 	fi
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[node,test]'
 	# containerd execs the shim on every container's critical path: replace pip's
 	# console-script wrapper with the fast launcher (no site, no re).
 	$(BIN)/python -m cedana_shim.launcher $(BIN)/containerd-shim-cedana-v2

@@ -37,13 +37,10 @@ from cedana_shim.launcher import DEFAULT_MODULE, FAST_DELETE
 from . import registration as reg
 
 MANIFEST: Final = "cedana-bundle.json"
+# Its closure without extras: the node agent's `node` extra (the Kubernetes client and
+# what only it needs, ~150 MB) serves the DaemonSet helper, which runs in its image,
+# never from the host's environment.
 ROOT_DISTRIBUTION: Final = "cedana-shim"
-# Installed alongside when present: the CRI check of `cedana node status` on the
-# host uses grpcio.
-OPTIONAL_DISTRIBUTIONS: Final = ("grpcio",)
-# The Kubernetes client (and what only it needs, ~150 MB) serves the DaemonSet helper,
-# which runs in its image, never from the host's environment.
-EXCLUDED_DISTRIBUTIONS: Final = frozenset({"kubernetes"})
 # Parts of the standard library a node never runs (tests, GUI, build files).
 STDLIB_SKIP: Final = frozenset(
     {"site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip",
@@ -177,11 +174,11 @@ def _closure(root: str) -> list[metadata.Distribution]:
     """``root`` and everything it requires that is installed here (a requirement that
     is not installed was for another platform: the running shim works without it)."""
     seen: dict[str, metadata.Distribution] = {}
-    pending = [root, *OPTIONAL_DISTRIBUTIONS]
+    pending = [root]
     while pending:
         name = pending.pop()
         key = re.sub(r"[-_.]+", "-", name).lower()
-        if key in seen or key in EXCLUDED_DISTRIBUTIONS:
+        if key in seen:
             continue
         try:
             dist = metadata.distribution(name)
