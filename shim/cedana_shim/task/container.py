@@ -144,10 +144,10 @@ class Container:
         if self.config.checkpoint:
             # containerd's own restore (ctr restore): Start restores from these images.
             self.restore = None
-            self.init.state = State.RESTORE_PENDING
+            self.init.commit("plan-restore")
             return
         if self.restore is not None and await self.restore.prepare(self):
-            self.init.state = State.RESTORE_PENDING
+            self.init.commit("plan-restore")
             return
         self.restore = None
         await self._runc_create()
