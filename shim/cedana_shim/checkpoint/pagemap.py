@@ -17,9 +17,8 @@ malformed chain or a page the chain lacks raises :class:`~cedana_shim.errors.Dat
 with the images dir as it was. The renames that follow replace each pages image
 and then its pagemap with new inodes; nothing is fsynced here (the caller's
 publish fsyncs and checksums every file), but the copied bytes' writeback starts as
-they are copied (bench/flatten.py: 1 GiB flattened in ~0.6 s instead of ~0.9 s, the
-rename over the old image no longer flushing it), and a dump whose flatten raised is not
-to be published. Bulk bytes move with ``copy_file_range`` (in the kernel, or a
+they are copied (so that the rename over the old image does not flush it all at once;
+bench/flatten.py measures it), and a dump whose flatten raised is not to be published. Bulk bytes move with ``copy_file_range`` (in the kernel, or a
 reflink), read/write where a file system or kernel does not support it.
 """
 

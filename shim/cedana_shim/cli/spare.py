@@ -3,9 +3,8 @@ what that request asks for.
 
 A daemon forked from the warm server at request time still pays, on containerd's
 critical path, for the fork, for the copy-on-write faults of its first touches of
-the server's memory and for its event loop: ~8 ms between the request and the first
-RPC it can answer, measured in place (bench/README.md). A spare pays for them while
-nobody waits. A server whose :class:`~.forkserver.Template` keeps spares forks one as
+the server's memory and for its event loop, between the request and the first RPC it
+can answer. A spare pays for them while nobody waits. A server whose :class:`~.forkserver.Template` keeps spares forks one as
 soon as it listens and again after each request it handed to one; the spare runs
 the template's ``prepare`` and waits on a socketpair. The server hands it the next
 request (the frame and the descriptors, as the client sent them) and answers the

@@ -1,34 +1,27 @@
 """Sealing CRIU's page images while CRIU still writes them.
 
-A stop reports its exit only once the checkpoint is durable, and the seal at
-publish (rawfiles: every file fsynced and its CRC-32 read) used to start only
-after CRIU was done: for 1 GiB about 0.6 s of the stop, all of it after the
-dump. An EarlySealer follows a dump directory from a thread of its own while
-CRIU fills it: each pass starts the writeback (sync_file_range,
-SYNC_FILE_RANGE_WRITE) of all that the page images (``pages-<n>.img``, the bulk
-of a dump) hold by then, and then reads what they gained since the last pass into
-their running CRC-32, so that the writeback runs beside the dump instead of after
-it. What it has read becomes a Prefix; the seal at publish reads only the rest of
-each file and its fsync finds little left to write.
+A stop reports its exit only once the checkpoint is durable, and a seal at
+publish (rawfiles: every file fsynced and its CRC-32 read) that started only
+after CRIU was done put all of it after the dump. An EarlySealer follows a dump
+directory from a thread of its own while CRIU fills it: each pass starts the
+writeback (sync_file_range, SYNC_FILE_RANGE_WRITE) of all that the page images
+(``pages-<n>.img``, the bulk of a dump) hold by then, and then reads what they
+gained since the last pass into their running CRC-32, so that the writeback runs
+beside the dump instead of after it. What it has read becomes a Prefix; the seal
+at publish reads only the rest of each file and its fsync finds little left to
+write.
 
 The writeback goes ahead of the reads, and passes follow each other without a
-pause while each finds at least 16 MiB new. Until 2026-12-03 the follower started
-the writeback only of what a pass had read, at most 64 MiB per 50 ms pass: the
-disk, which drains queued writeback at ~2.4 GB/s here, idled while CRIU wrote at
-~2.7 GB/s, and a 1 GiB stop still had ~620 MiB dirty when CRIU finished (Dirty and
-Writeback in /proc/meminfo sampled every 10 ms during a benchmark stop: 0.27 s of
-fsync after a 0.62 s dump). With the writeback ahead, at most ~130 MiB was dirty at
-any instant and the seal took 0.02-0.10 s after the dump. A pass that finds less
-pauses, because in a slow dump every pass finds a few pages and the follower would
-spin on a CPU beside CRIU (bench/README.md, 2026-12-03 evening).
+pause while each finds at least 16 MiB new: a follower that started the writeback
+only of what it had read, in bounded passes, let the disk idle while CRIU wrote
+faster than it, and left most of a large dump dirty for the seal's fsync. A pass
+that finds less pauses, because in a slow dump every pass finds a few pages and the
+follower would spin on a CPU beside CRIU. (The stop's figures, before and after:
+bench/README.md and its archive.)
 
 Not fdatasync: on ext4 each fdatasync of a file still growing commits the journal
-(its size changed), and CRIU's appends wait for those commits. With an fdatasync
-per pass a 1 GiB appender took 0.51-0.52 s (0.22-2.37) instead of 0.25 s, with
-only writeback started 0.26-0.34 s (0.25-1.08), in two runs of an interleaved
-micro-benchmark on the benchmark VM. In whole stops of 1 GiB (bench/README.md,
-2026-12-03, five and six runs of each) the stop took 1.12-1.83x plain runc's
-checkpoint with writeback started, 1.94-2.05x with an fdatasync per pass.
+(its size changed), and CRIU's appends wait for those commits; starting the
+writeback does not.
 
 A prefix is trusted only because CRIU appends page images and never rewrites
 them; it is dropped at the seal when the file there is not the one followed

@@ -20,9 +20,8 @@ moves the cache into ``raw/<id>/`` in the same hold of ``index.lock`` as the ind
 write that adds the checkpoint (adopt.py). The page images are made durable while
 the pull goes on (a thread of its own fdatasyncs a file whenever chunks were written
 into it), and ``finish`` waits for the last: the cache is as durable as a published
-checkpoint when it becomes visible. That also keeps the restore fast: CRIU reading
-1 GiB of page images still dirty in the page cache took 2-4 s here against 0.7-1 s
-once they were written back (bench/README.md).
+checkpoint when it becomes visible. That also keeps the restore fast: CRIU reads page
+images still dirty in the page cache several times slower than written-back ones.
 """
 
 from __future__ import annotations
