@@ -13,13 +13,15 @@ Flattening keeps every entry as it is (no merging of adjacent runs: CRIU writes
 adjacent runs itself and restores them alike) and only turns ``PE_PARENT`` into
 ``PE_PRESENT``, other bits (``PE_LAZY``) kept. Everything is read, checked and
 copied into temp files in the images dir before anything there is replaced, so a
-malformed chain or a page the chain lacks raises :class:`~cedana_shim.errors.DataLoss`
-with the images dir as it was. The renames that follow replace each pages image
-and then its pagemap with new inodes; nothing is fsynced here (the caller's
-publish fsyncs and checksums every file), but the copied bytes' writeback starts as
-they are copied (so that the rename over the old image does not flush it all at once;
-bench/flatten.py measures it), and a dump whose flatten raised is not to be published. Bulk bytes move with ``copy_file_range`` (in the kernel, or a
-reflink), read/write where a file system or kernel does not support it.
+malformed chain or a page the chain lacks raises
+:class:`~cedana_shim.errors.DataLoss` with the images dir as it was. The renames
+that follow replace each pages image and then its pagemap with new inodes; nothing
+is fsynced here (the caller's publish fsyncs and checksums every file), but the
+copied bytes' writeback starts as they are copied (so that the rename over the old
+image does not flush it all at once; bench/flatten.py measures it), and a dump whose
+flatten raised is not to be published. Bulk bytes move with ``copy_file_range`` (in
+the kernel, or a reflink), read/write where a file system or kernel does not support
+it.
 """
 
 from __future__ import annotations

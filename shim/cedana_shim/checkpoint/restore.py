@@ -38,10 +38,11 @@ that the task layer logs and publishes (``/cedana/restore``). The session drives
 the container only through :class:`RestoreHost`, so the same object serves any
 caller that can restore from a directory of CRIU images.
 
-About 960 lines: every way into and out of a restore is decided here, on purpose in
-one place (the candidates, by label or by hand, their checks, the fallback, the
-report); what is not a decision lives beside it (compat.py, criu_config.py,
-gpu_steps.py, the store).
+About 930 lines: every way into and out of a restore is driven from here, on purpose
+in one place (the candidates, by label or by hand, their checks, the fallback, the
+report). Which candidate comes next and which are passed over is decided by the pure
+functions of candidates.py, from what this session gathers; what is not a decision
+lives beside it (compat.py, criu_config.py, gpu_steps.py, the store).
 """
 
 from __future__ import annotations
@@ -63,7 +64,6 @@ from ..errors import (
     DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
-    InvalidArgument,
     NotFound,
     ShimError,
 )
@@ -71,7 +71,16 @@ from ..hooks import HookFailed, HookRunner, HookState, Stage
 from ..runtime.criu_stats import restore_stats
 from ..runtime.runc import Runc
 from . import cpu_fit, criu_config
-from .compat import image_mismatch, incompatible
+from .candidates import (
+    NodeFacts,
+    Question,
+    Refusal,
+    RegistryFacts,
+    entry_refusal,
+    named,
+    ranked,
+    registry_verdict,
+)
 from .gpu_steps import GpuStepRunner
 from .layers import CRIU_LAYER, ROOTFS_LAYER, SHM_LAYER, shm_source
 from .netinfo import tcp_can_live
@@ -79,7 +88,6 @@ from .oplog import PhaseClock
 from .policy import FALLBACK_COLD, Policy
 from .rootfs_diff import apply, apply_dir
 from .store import Entry, Store, priority
-from .store.failures import Failure, failed_last, has_failed
 
 if TYPE_CHECKING:
     from .pipeline import Versions
@@ -227,14 +235,6 @@ class RawImagesBad(DataLoss):
     """The raw images CRIU read are not what was checkpointed."""
 
 
-def unusable(entry: Entry, here: Mapping[str, str]) -> str:
-    """Why this node (tool versions ``here``) cannot restore ``entry`` at all; empty
-    when it may try."""
-    if entry.damage is not None:
-        return f"damaged: {entry.damage}"
-    return incompatible(entry.metadata, here)
-
-
 class RestoreSession:
     def __init__(
         self,
@@ -338,37 +338,26 @@ class RestoreSession:
             except (ShimError, OSError) as err:
                 self.result.store_problem = f"checkpoint store unusable: {err}"
                 local = []
-            remote = await self._remote_matching(scope, ref, {e.id for e in local})
-        found: list[Entry | RemoteCheckpoint] = [*local, *remote]
-        if len(found) == 1:
-            return found
-        if not found:
-            # The same words whether or not another namespace has it: never reveal that.
-            self._refuse(NotFound, ref, f"no checkpoint {ref!r} in namespace {scope!r}")
-        else:
-            ids = [c.id if isinstance(c, Entry) else c.checkpoint_id for c in found]
-            shown = ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
-            self._refuse(
-                InvalidArgument,
-                ref,
-                f"{len(ids)} checkpoints start with {ref!r} ({shown}); give more of the id",
-            )
-        return []
+            listed = await self._registry_listing(lambda remote: remote.list(scope))
+        chosen = named(ref, scope, local, listed)
+        if isinstance(chosen, Refusal):
+            self._refuse(chosen.kind, ref, chosen.why)
+            return []
+        return [chosen]
 
-    async def _remote_matching(
-        self, scope: str, ref: str, local: set[str]
+    async def _registry_listing(
+        self, listing: Callable[[RemoteStore], list[RemoteCheckpoint]]
     ) -> list[RemoteCheckpoint]:
+        """What ``listing`` finds in the node's registry (none without one); a registry
+        that cannot be listed is noted in the report."""
         if self._remote is None:
             return []
         try:
             remote = self._remote()
-            listed = await asyncio.to_thread(remote.list, scope)
+            return await asyncio.to_thread(listing, remote)
         except (ShimError, OSError) as err:
             self.result.skipped.append(f"registry: cannot list checkpoints ({err})")
             return []
-        complete = [c for c in listed if c.complete and c.checkpoint_id not in local]
-        exact = [c for c in complete if c.checkpoint_id == ref]
-        return exact or [c for c in complete if c.checkpoint_id.startswith(ref)]
 
     def _refuse(self, kind: type[ShimError], checkpoint: str, why: str) -> None:
         """Record why a restore by hand cannot use ``checkpoint`` and the error class
@@ -378,8 +367,8 @@ class RestoreSession:
         self._skip(checkpoint, why)
 
     async def _candidates(self) -> list[Entry | RemoteCheckpoint]:
-        """The label's checkpoints here and in the registry, newest first (one taken
-        here and also pushed counts once, as the local one)."""
+        """The label's checkpoints here and in the registry, in the order they are
+        tried (:func:`.candidates.ranked`)."""
         scope, label = self.policy.scope, self.policy.label
         with self.result.timing("wait"):
             await self._wait_for_writers(scope, label)
@@ -390,27 +379,9 @@ class RestoreSession:
             except (ShimError, OSError) as err:
                 # A damaged store must never keep a container from running.
                 self.result.store_problem = f"checkpoint store unusable: {err}"
-            remote = await self._remote_candidates(scope, label, {e.id for e in local})
-        found: list[Entry | RemoteCheckpoint] = [*local, *remote]
-        # Stable: at equal times the local copy (listed first) wins.
-        found.sort(key=lambda c: c.created, reverse=True)
-        # Those that failed before go last: one that cannot be restored (a forged one, a
-        # newer date its only merit) is not tried first by every start.
+            listed = await self._registry_listing(lambda remote: remote.candidates(scope, label))
         failures = await asyncio.to_thread(self.store.failures)
-        return failed_last(found, lambda c: _has_failed(c, failures))
-
-    async def _remote_candidates(
-        self, scope: str, label: str, local: set[str]
-    ) -> list[RemoteCheckpoint]:
-        if self._remote is None:
-            return []
-        try:
-            remote = self._remote()
-            listed = await asyncio.to_thread(remote.candidates, scope, label)
-        except (ShimError, OSError) as err:
-            self.result.skipped.append(f"registry: cannot list checkpoints ({err})")
-            return []
-        return [c for c in listed if c.checkpoint_id not in local]
+        return ranked(local, listed, failures)
 
     async def _wait_for_writers(self, scope: str, label: str) -> None:
         """A checkpoint of this label still being written is the one to restore:
@@ -475,10 +446,15 @@ class RestoreSession:
 
     async def _prepare_next(self, host: RestoreHost) -> Plan | None:
         network: Any = None
-        here: Mapping[str, str] = {}
+        here: NodeFacts | None = None
         while self._remaining:
-            if not here:
-                here = await self._versions.get(host.runc)
+            if here is None:
+                here = NodeFacts(
+                    versions=await self._versions.get(host.runc),
+                    image=self.policy.image,
+                    pinned_digest=self.policy.image_digest,
+                    by_hand=bool(self.policy.restore),
+                )
             candidate = self._remaining.pop(0)
             if isinstance(candidate, Entry):
                 entry = candidate
@@ -487,17 +463,12 @@ class RestoreSession:
                 if pulled is None:
                     continue
                 entry = pulled
-            why = unusable(entry, here)
-            if why:
-                self._refuse(DataLoss if entry.damage else FailedPrecondition, entry.id, why)
-                if entry.damage:
-                    await asyncio.to_thread(self._failed, entry.id, why)
+            refusal = entry_refusal(entry, here)
+            if refusal is not None:
+                self._refuse(refusal.kind, entry.id, refusal.why)
+                if refusal.failed:
+                    await asyncio.to_thread(self._failed, entry.id, refusal.why)
                 continue
-            if self.policy.restore:
-                why = image_mismatch(entry.metadata, self.policy.image, self.policy.image_digest)
-                if why:
-                    self._refuse(FailedPrecondition, entry.id, why)
-                    continue
             if network is None:
                 network = await host.network_facts()
             try:
@@ -510,7 +481,7 @@ class RestoreSession:
         return None
 
     async def _pull(
-        self, candidate: RemoteCheckpoint, here: Mapping[str, str], host: RestoreHost
+        self, candidate: RemoteCheckpoint, here: NodeFacts, host: RestoreHost
     ) -> Entry | None:
         """A checkpoint from the registry into this node's store, if this node can take
         it (checked on its metadata before anything large is downloaded: versions, the
@@ -522,20 +493,11 @@ class RestoreSession:
             with self.result.timing("pull"):
                 remote = self._remote()
                 metadata = await asyncio.to_thread(remote.fetch_metadata, candidate)
-                why = (
-                    incompatible(metadata, here)
-                    or image_mismatch(
-                        metadata, self.policy.image, await self._container_image_digest()
-                    )
-                    or await cpu_fit.misfit(
-                        metadata.get(cpu_fit.METADATA_KEY),
-                        self.config,
-                        functools.partial(cpu_fit.check, host.runc),
-                    )
-                    or await asyncio.to_thread(self._gpu_misfit, metadata, host.spec)
-                )
-                if why:
-                    self._refuse(FailedPrecondition, what, why)
+                facts = RegistryFacts(metadata)
+                while isinstance(verdict := registry_verdict(facts, here), Question):
+                    facts = await self._answer(verdict, facts, host)
+                if verdict is not None:
+                    self._refuse(verdict.kind, what, verdict.why)
                     return None
                 started = time.monotonic()
                 entry = await asyncio.to_thread(remote.pull, candidate)
@@ -558,6 +520,20 @@ class RestoreSession:
             },
         )
         return entry
+
+    async def _answer(
+        self, question: Question, facts: RegistryFacts, host: RestoreHost
+    ) -> RegistryFacts:
+        """``facts`` with the answer to ``question`` about a registry's candidate."""
+        metadata = facts.metadata
+        if question is Question.IMAGE_DIGEST:
+            return replace(facts, image_digest=await self._container_image_digest())
+        if question is Question.CPU_FIT:
+            check = functools.partial(cpu_fit.check, host.runc)
+            misfit = await cpu_fit.misfit(metadata.get(cpu_fit.METADATA_KEY), self.config, check)
+            return replace(facts, cpu_misfit=misfit)
+        misfit = await asyncio.to_thread(self._gpu_misfit, metadata, host.spec)
+        return replace(facts, gpu_misfit=misfit)
 
     async def _container_image_digest(self) -> str:
         """The digest of this container's image; "" when containerd cannot say (logged
@@ -896,12 +872,6 @@ class RestoreSession:
     def _finish(self) -> None:
         self._lap()
         self._report(self.result)
-
-
-def _has_failed(candidate: Entry | RemoteCheckpoint, failures: Mapping[str, Failure]) -> bool:
-    if isinstance(candidate, Entry):
-        return has_failed(failures, candidate.id)
-    return has_failed(failures, candidate.checkpoint_id, candidate.tag)
 
 
 def _kind(err: BaseException, otherwise: type[ShimError]) -> type[ShimError]:

@@ -4,14 +4,15 @@ what that request asks for.
 A daemon forked from the warm server at request time still pays, on containerd's
 critical path, for the fork, for the copy-on-write faults of its first touches of
 the server's memory and for its event loop, between the request and the first RPC it
-can answer. A spare pays for them while nobody waits. A server whose :class:`~.forkserver.Template` keeps spares forks one as
-soon as it listens and again after each request it handed to one; the spare runs
-the template's ``prepare`` and waits on a socketpair. The server hands it the next
-request (the frame and the descriptors, as the client sent them) and answers the
-client with the spare's pid once the spare has taken it; a spare that is gone or
-does not take it in time is killed, and the server forks for that request as
-before. A spare exits when the server's end of the pair closes (the server exited,
-retired or was killed): every other process the server forks closes it first.
+can answer. A spare pays for them while nobody waits. A server whose
+:class:`~.forkserver.Template` keeps spares forks one as soon as it listens and
+again after each request it handed to one; the spare runs the template's ``prepare``
+and waits on a socketpair. The server hands it the next request (the frame and the
+descriptors, as the client sent them) and answers the client with the spare's pid
+once the spare has taken it; a spare that is gone or does not take it in time is
+killed, and the server forks for that request as before. A spare exits when the
+server's end of the pair closes (the server exited, retired or was killed): every
+other process the server forks closes it first.
 
 ``ps`` shows a spare as ``containerd-shim-cedana-v2 template spare``, named
 ``cedana-spare``: neither a template nor a shim daemon to ``pgrep``.
