@@ -1,2 +1,2 @@
 """Test doubles for the edges of the unit tests (executables the shim runs, the CUDA
-driver)."""
+driver, the GPU steps)."""
