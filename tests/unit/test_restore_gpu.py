@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cedana_shim.checkpoint.pipeline import Versions
 from cedana_shim.checkpoint.policy import Mode, Policy
 from cedana_shim.checkpoint.restore import RestoreReport, RestoreRequest, RestoreSession
+from cedana_shim.checkpoint.tool_versions import Versions
 from cedana_shim.config import NodeConfig
 from cedana_shim.hooks.stub import StubHookRunner
 from fakes.stub_gpu_steps import StubGpuSteps

@@ -30,19 +30,17 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from .. import __version__
 from ..config import NodeConfig
 from ..errors import DataLoss, ResourceExhausted, ShimError
 from ..hooks import HookRunner, HookState, Stage
 from ..runtime.criu_stats import dump_stats
 from ..runtime.mount import Mount
-from ..runtime.reaper import Reaper
 from ..runtime.runc import CheckpointOpts, Runc
 from ..runtime.tcp_repair import tcp_summary
 from . import cpu_fit, criu_config, preflight
 from .delivery import Delivery
 from .dirty_tracking import DirtyTracking
-from .gpu_steps import GpuDump, GpuSteps
+from .gpu_steps import GpuDump, GpuStepRunner
 from .layers import (
     CRIU_LAYER,
     MEDIA_TYPES,
@@ -57,6 +55,7 @@ from .oplog import PhaseClock, criu_logs_path
 from .policy import Policy
 from .rootfs_diff import capture, capture_dir, upperdir_of
 from .store import Entry, Ingest, Store, priority
+from .tool_versions import Versions
 
 log = logging.getLogger(__name__)
 
@@ -124,39 +123,10 @@ class _Parent:
     checked: asyncio.Future[None]  # their CRC-32s, checked beside the dump
 
 
-@dataclass
-class Versions:
-    """Tool versions recorded in every checkpoint; asked once per daemon."""
-
-    values: dict[str, str] = field(default_factory=dict)
-
-    async def get(self, runc: Runc) -> dict[str, str]:
-        if not self.values:
-            self.values = {
-                "kernel": platform.release(),
-                "arch": platform.machine(),
-                "shim": __version__,
-                "runc": await _first_line(runc.reaper, runc.binary, "--version"),
-                "criu": await _first_line(runc.reaper, "criu", "--version"),
-            }
-        return self.values
-
-
-async def _first_line(reaper: Reaper, *argv: str) -> str:
-    """First line a tool prints about its version; never fails the checkpoint."""
-    fd = os.memfd_create("version", os.MFD_CLOEXEC)
-    try:
-        await reaper.spawn(argv, stdout=fd).wait()
-        out = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-        return out.splitlines()[0] if out else ""
-    except OSError as err:
-        return f"unknown ({err.strerror})"
-    finally:
-        os.close(fd)
-
-
 class Pipeline:
-    def __init__(self, store: Store, config: NodeConfig, hooks: HookRunner, gpu: GpuSteps) -> None:
+    def __init__(
+        self, store: Store, config: NodeConfig, hooks: HookRunner, gpu: GpuStepRunner
+    ) -> None:
         self.store = store
         self.config = config
         self.hooks = hooks

@@ -88,9 +88,9 @@ from .oplog import PhaseClock
 from .policy import FALLBACK_COLD, Policy
 from .rootfs_diff import apply, apply_dir
 from .store import Entry, Store, priority
+from .tool_versions import Versions
 
 if TYPE_CHECKING:
-    from .pipeline import Versions
     from .remote import RemoteCheckpoint, RemoteStore
 
 log = logging.getLogger(__name__)
@@ -262,12 +262,8 @@ class RestoreSession:
             container_id, policy.scope, policy.label, requested=policy.restore
         )
         self._remote = remote  # the node's registry, when it has one
-        if versions is None:
-            from .pipeline import Versions  # the pipeline imports what imports this module
-
-            versions = Versions()
         # This node's tool versions: the pipeline's (asked once per daemon) when given.
-        self._versions = versions
+        self._versions = versions or Versions()
         # This container's image digest, asked of containerd (blocking) only when a
         # checkpoint from another node is considered; policy.image_digest when pinned.
         self._image_digest = image_digest

@@ -89,6 +89,7 @@ class CheckpointManager:
                 writing_here=self.writing,
                 remote=pipeline.delivery.remote if config.registry else None,
                 image_digest=self._digest_of(container_id) if config.registry else None,
+                versions=pipeline.versions,
             )
         return cr, restore
 
