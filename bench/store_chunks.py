@@ -91,14 +91,14 @@ def rewrite_region(src: Path, dest: Path, fraction: float) -> tuple[int, int]:
 
 def commit(store: Store, images: Path) -> tuple[Entry, float]:
     """Publish ``images`` (hard-linked) raw, then time its compaction."""
-    ing = store.begin(scope="bench", label="chunks", metadata={"container": "bench"})
+    ing = store.writer.begin(scope="bench", label="chunks", metadata={"container": "bench"})
     criu = Path(ing.dir("criu"))
     for name in sorted(os.listdir(images)):
         os.link(images / name, criu / name)
     ing.add_dir_layer("criu", str(criu), MEDIA_TYPE_CRIU)
-    raw = store.publish(ing)
+    raw = store.writer.publish(ing)
     compacted: list[Entry | None] = []
-    seconds = wall(lambda: compacted.append(store.compact(raw.id)))
+    seconds = wall(lambda: compacted.append(store.compactor.compact(raw.id)))
     entry = compacted[0]
     assert entry is not None and entry.state == "compacted"
     return entry, seconds
@@ -108,7 +108,7 @@ def extract(store: Store, entry: Entry, dest: Path, workers: int) -> float:
     saved = reader._EXTRACT_WORKERS
     reader._EXTRACT_WORKERS = workers  # type: ignore[misc]
     try:
-        return wall(lambda: store.extract_layer(entry, "criu", str(dest)))
+        return wall(lambda: store.reader.extract_layer(entry, "criu", str(dest)))
     finally:
         reader._EXTRACT_WORKERS = saved  # type: ignore[misc]
         shutil.rmtree(dest, ignore_errors=True)
@@ -143,7 +143,7 @@ def formats(args: argparse.Namespace, work: Path, images: Path) -> dict[str, Any
             stored[name] = entry.layers[0].size
             dest = work / "out"
             if run == 0:  # once: the extracted page image is the original, byte for byte
-                store.extract_layer(entry, "criu", str(dest))
+                store.reader.extract_layer(entry, "criu", str(dest))
                 assert same_file(dest / "pages-1.img", images / "pages-1.img")
                 shutil.rmtree(dest)
             if chunk_size:

@@ -28,7 +28,7 @@ COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done
 
 def _entries(containerd: Containerd, label: str) -> list[dict[str, object]]:
     store = Store(StoreConfig(root=str(containerd.store)))
-    return [dict(e.metadata) for e in store.list(label=label)]
+    return [dict(e.metadata) for e in store.catalog.list(label=label)]
 
 
 def _cedana_run(ctr: Ctr, image: str, cid: str, *cmd: str, env: str) -> list[str]:

@@ -213,7 +213,7 @@ def test_sigkill_while_the_stop_checkpoint_dumps(
 def test_shim_killed_during_the_dump(fresh_containerd: Containerd, new_id: NewId) -> None:
     """SIGKILL to the shim daemon while CRIU dumps: containerd cleans up the dead shim,
     the container is gone, the half-written dump is never listed (and is garbage for
-    `Store.gc`), and the next start restores the previous good checkpoint."""
+    `Maintenance.gc`), and the next start restores the previous good checkpoint."""
     c = fresh_containerd
     log = ShimLog(c)
     script = counter_script(mem_kib=MEM_KIB, extra=CHILDREN)
@@ -246,7 +246,7 @@ def test_shim_killed_during_the_dump(fresh_containerd: Containerd, new_id: NewId
         store_is_sound(c.store)
         # The dead shim's staging dir is unlocked garbage: gc reclaims it.
         leftovers = ingest_dirs(c.store)
-        open_store(c.store).gc()
+        open_store(c.store).maintenance.gc()
         assert not ingest_dirs(c.store), f"gc left {ingest_dirs(c.store)} (was {leftovers})"
 
         c3 = w.start("c")
@@ -585,7 +585,7 @@ def _commit_crafted(root: Path, source: Entry, criu_dir: Path, label: str, diff:
     given rootfs-diff tar, committed through the Store API."""
     store = open_store(root)
     metadata = {k: v for k, v in source.metadata.items() if k not in RESERVED_METADATA_KEYS}
-    ingest = store.begin(scope=source.scope, label=label, metadata=metadata)
+    ingest = store.writer.begin(scope=source.scope, label=label, metadata=metadata)
     ingest.add_dir_layer(CRIU_LAYER, str(criu_dir), MEDIA_TYPES[CRIU_LAYER])
     ingest.add_file_layer(ROOTFS_LAYER, str(diff), MEDIA_TYPES[ROOTFS_LAYER])
     return store.commit(ingest)
@@ -642,8 +642,8 @@ def test_crafted_rootfs_diff_is_refused(
         source = entries(c.store, label=w.label)[0]
         assert source.id == src.checkpoint_id
         criu_dir = tmp_path / "criu"
-        open_store(c.store).extract_layer(source, CRIU_LAYER, str(criu_dir))
-        with open_store(c.store).open_layer(source, ROOTFS_LAYER) as stream:
+        open_store(c.store).reader.extract_layer(source, CRIU_LAYER, str(criu_dir))
+        with open_store(c.store).reader.open_layer(source, ROOTFS_LAYER) as stream:
             own = _members_of(stream)
         held = [data for info, data in own if info.name == "var/held"]
         assert held == [b"held\n"], f"the file open at the dump is not in its diff: {own}"
@@ -977,18 +977,18 @@ def test_failed_restore_falls_back_at_start(
         good, counted = _stop_with_checkpoint(w, w.start("a"), events)
         source = entries(c.store, label=w.label)[0]
         broken = tmp_path / "criu"
-        open_store(c.store).extract_layer(source, CRIU_LAYER, str(broken))
+        open_store(c.store).reader.extract_layer(source, CRIU_LAYER, str(broken))
         # No process tree: CRIU gives up at once. (An emptied pages image instead makes
         # CRIU 4.1.1 spin forever: that is a CRIU bug, bounded only by restore_timeout.)
         (broken / "pstree.img").unlink()
         diff = tmp_path / "rootfs-diff.tar"
-        with open_store(c.store).open_layer(source, ROOTFS_LAYER) as stream:
+        with open_store(c.store).reader.open_layer(source, ROOTFS_LAYER) as stream:
             diff.write_bytes(stream.read())
 
         def commit_broken(label: str) -> Entry:
             store = open_store(c.store)
             meta = {k: v for k, v in source.metadata.items() if k not in RESERVED_METADATA_KEYS}
-            ingest = store.begin(scope=source.scope, label=label, metadata=meta)
+            ingest = store.writer.begin(scope=source.scope, label=label, metadata=meta)
             ingest.add_dir_layer(CRIU_LAYER, str(broken), MEDIA_TYPES[CRIU_LAYER])
             ingest.add_file_layer(ROOTFS_LAYER, str(diff), MEDIA_TYPES[ROOTFS_LAYER])
             return store.commit(ingest)

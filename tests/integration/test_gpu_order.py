@@ -244,7 +244,7 @@ class GpuNode:
     def entries(self, label: str) -> list[Entry]:
         if not (self.containerd.store / "index.json").exists():
             return []
-        return Store(StoreConfig(root=str(self.containerd.store))).list(
+        return Store(StoreConfig(root=str(self.containerd.store))).catalog.list(
             scope=CTR_NAMESPACE, label=label
         )
 

@@ -83,7 +83,7 @@ def _client(remote: RemoteStore) -> CountingClient:
 
 
 def _extract(store: Store, checkpoint_id: str, dest: Path) -> Path:
-    store.extract_layer(store.get(checkpoint_id), "criu", str(dest))
+    store.reader.extract_layer(store.catalog.get(checkpoint_id), "criu", str(dest))
     return dest
 
 
@@ -107,10 +107,10 @@ def test_push_then_pull_into_an_empty_store_gives_the_same_checkpoint(
     assert metadata["id"] == entry.id and metadata["pod"] == "trainer-0"
     pulled = remote_b.pull(found)
     assert pulled.id == entry.id and pulled.created == entry.created and pulled.state == "compacted"
-    other.verify(pulled, deep=True)
+    other.reader.verify(pulled, deep=True)
     # The page images came out as they arrived: a restore runs CRIU from them at once.
-    assert other.raw_images(pulled, "criu") == os.path.join(other.root, "raw", entry.id, "criu")
-    other.verify_raw(pulled, "criu")
+    assert other.raw.raw_images(pulled, "criu") == os.path.join(other.root, "raw", entry.id, "criu")
+    other.raw.verify_raw(pulled, "criu")
     a = _extract(store, entry.id, tmp_path / "a")
     b = _extract(other, entry.id, tmp_path / "b")
     match, mismatch, errors = filecmp.cmpfiles(a, b, sorted(_files(b"")), shallow=False)
@@ -227,7 +227,7 @@ def test_a_push_killed_half_way_is_resumed_by_sync(
     assert _client(remote).sent <= layer.size - resumed[0].resumed_from + MiB
     assert remote.in_flight(SCOPE, "trainer") == []  # the tag superseded it
     other = open_store(tmp_path / "store-b")
-    other.verify(remote_store(other, settings).pull(remote.candidates(SCOPE, "trainer")[0]))
+    other.reader.verify(remote_store(other, settings).pull(remote.candidates(SCOPE, "trainer")[0]))
 
 
 def test_the_in_flight_marker_is_visible_while_a_push_runs(
@@ -302,7 +302,7 @@ def test_a_zstd_bomb_is_refused_at_its_recorded_size_and_fills_no_disk(
         assert candidate.checkpoint_id == forged.id
         with pytest.raises(DataLoss, match=f"more than the {RECORDED_TAR_BYTES} bytes recorded"):
             puller.pull(candidate)
-        assert other.list() == [] and staging_dirs(other) == []
+        assert other.catalog.list() == [] and staging_dirs(other) == []
         assert not os.listdir(os.path.join(other.root, "blobs", "sha256"))
 
 
@@ -316,7 +316,7 @@ def test_a_corrupt_blob_in_the_registry_fails_the_pull_and_leaves_nothing(
     other = open_store(tmp_path / "store-b")
     with pytest.raises(DataLoss, match="damaged"):
         remote_store(other, settings).pull(pushed)
-    assert other.list() == [] and staging_dirs(other) == []
+    assert other.catalog.list() == [] and staging_dirs(other) == []
     assert not os.listdir(os.path.join(other.root, "blobs", "sha256"))
     # The page images streamed out before the bad chunk was found: none of them stay.
     assert not os.path.exists(os.path.join(other.root, "raw", entry.id))
@@ -347,7 +347,7 @@ def test_a_manifest_announcing_a_huge_blob_is_refused_before_any_download(
     with pytest.raises(DataLoss, match="announces"):
         puller.pull(pushed)
     assert _client(puller).pulled == []
-    assert other.list() == [] and staging_dirs(other) == []
+    assert other.catalog.list() == [] and staging_dirs(other) == []
 
 
 def test_a_full_disk_during_a_pull_fails_cleanly(
@@ -381,7 +381,7 @@ def test_a_full_disk_during_a_pull_fails_cleanly(
         with pytest.raises(ResourceExhausted, match="full"):
             puller.pull(pushed, fill_the_disk)
         os.unlink(fills / "ballast")
-        assert other.list() == [] and staging_dirs(other) == []
+        assert other.catalog.list() == [] and staging_dirs(other) == []
         assert not os.listdir(os.path.join(other.root, "blobs", "sha256"))
 
 
@@ -430,7 +430,7 @@ def test_a_namespace_never_gets_another_namespaces_checkpoint(
         puller.fetch_metadata(stolen)
     with pytest.raises(DataLoss, match="another's name"):
         puller.pull(stolen)
-    assert other.list() == []
+    assert other.catalog.list() == []
 
 
 @pytest.mark.parametrize("deletes", [True, False], ids=["deletes", "no-deletes"])
@@ -464,14 +464,16 @@ def test_retention_keeps_the_good_checkpoints_over_one_that_failed_here(
     remote = remote_store(store, settings)
     good = [remote.push(commit_checkpoint(store, _files(os.urandom(64 << 10))).id).checkpoint_id
             for _ in range(3)]  # fmt: skip
-    newest = store.get(good[-1])
+    newest = store.catalog.get(good[-1])
     newer = datetime.fromisoformat(newest.created) + timedelta(minutes=1)
     forged = forge(store, newest, newer, bomb=zstd_bomb(MiB))
     tag = push_forged(remote.client, store, forged, "node-x", scope=SCOPE)
     assert [c.checkpoint_id for c in remote.candidates(SCOPE, "trainer")] == [
         forged.id, *reversed(good),
     ]  # fmt: skip
-    store.record_failure(forged.id, "cannot pull it: refused at its recorded size", tag=tag.tag)
+    store.failure_records.record_failure(
+        forged.id, "cannot pull it: refused at its recorded size", tag=tag.tag
+    )
     assert remote.prune(SCOPE, "trainer", keep=3) == [forged.id]
     assert [c.checkpoint_id for c in remote.candidates(SCOPE, "trainer")] == list(reversed(good))
 
@@ -485,7 +487,7 @@ def test_pull_of_a_checkpoint_not_in_the_registry_is_not_found(
     ghost = RemoteCheckpoint(
         f"cedana/{SCOPE}", tag.tag, entry.id, SCOPE, "trainer", entry.created, "", True
     )
-    store.remove(entry.id)
+    store.maintenance.remove(entry.id)
     with pytest.raises(NotFound):
         remote.pull(ghost)
 
@@ -538,7 +540,7 @@ def test_the_cli_pushes_lists_pulls_and_syncs(
     status, out, err = _cedana(capsys, "checkpoints", "pull", second.id, "--namespace", SCOPE, *b)
     assert status == 0, err
     assert out.startswith(second.id)
-    assert {e.id for e in open_store(other).list()} == {first.id, second.id}
+    assert {e.id for e in open_store(other).catalog.list()} == {first.id, second.id}
     status, _, err = _cedana(capsys, "checkpoints", "pull", "team-a/latest", *b)
     assert status == 1 and "is not a checkpoint tag" in err
     # sync: one pending push, the registry down, then up.

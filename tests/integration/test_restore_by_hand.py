@@ -185,7 +185,7 @@ def test_ctr_bad_input_fails_the_start(containerd: Containerd, ctr: Ctr, new_id:
         # A damaged checkpoint: refused, not replaced by the label's other one.
         store = Store(StoreConfig(root=str(containerd.store)))
         entry = wait_for(
-            lambda: ((e := store.get(first)).state == "compacted" and e) or None,
+            lambda: ((e := store.catalog.get(first)).state == "compacted" and e) or None,
             timeout=60,
             what="the first checkpoint compacted",
         )

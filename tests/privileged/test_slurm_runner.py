@@ -110,7 +110,7 @@ class Node:
 
     def checkpoints(self, scope: str, label: str) -> list[str]:
         store = Store(StoreConfig(root=str(self.store)))
-        return [e.id for e in store.candidates(scope, label)]
+        return [e.id for e in store.reader.candidates(scope, label)]
 
 
 def descendants(top: int) -> list[int]:
@@ -308,8 +308,8 @@ def test_sigkill_of_the_runner_mid_checkpoint_leaves_nothing(node: Node) -> None
     # Nothing after the step's end: its output file may be the requeued job's by then.
     assert "checkpoint failed" not in job.stderr()
     store = Store(StoreConfig(root=str(node.store)))
-    assert store.candidates(ROOT_SCOPE, label) == []
-    assert store.in_flight(ROOT_SCOPE, label) == []
+    assert store.reader.candidates(ROOT_SCOPE, label) == []
+    assert store.reader.in_flight(ROOT_SCOPE, label) == []
     assert os.listdir(node.store / "ingest") == []
 
 

@@ -27,7 +27,7 @@ def write_tree(root: Path, files: dict[str, tuple[bytes, int]]) -> None:
 
 
 def commit(store: Store, files: dict[str, tuple[bytes, int]] | None = None) -> Entry:
-    ing = store.begin(scope="ns", label="app", metadata={"container": "c1"})
+    ing = store.writer.begin(scope="ns", label="app", metadata={"container": "c1"})
     write_tree(Path(ing.dir("criu")), files or {"pages-1.img": (os.urandom(1000), 0o600)})
     ing.add_dir_layer("criu", ing.dir("criu"), MEDIA_TYPE_CRIU)
     return store.commit(ing)
@@ -77,7 +77,7 @@ def test_enospc_is_resource_exhausted_and_leaves_the_store_as_it_was(
 
     big = tmp_path / "big"  # outside the tmpfs: only the compressed blob lands there
     write_tree(big, {"pages-1.img": (os.urandom(12 << 20), 0o600)})
-    ing = store.begin(scope="ns", label="app", metadata={})
+    ing = store.writer.begin(scope="ns", label="app", metadata={})
     ing.add_dir_layer("criu", str(big), MEDIA_TYPE_CRIU)
     with pytest.raises(errors.ResourceExhausted) as info:
         store.commit(ing)
@@ -87,8 +87,8 @@ def test_enospc_is_resource_exhausted_and_leaves_the_store_as_it_was(
     assert Path(store.root, "index.json").read_bytes() == before_index
     assert blob_names(store) == before_blobs
     assert os.listdir(os.path.join(store.root, "ingest")) == []
-    store.verify(small)
-    store.verify(commit(store, files={"b.img": (b"b" * 1000, 0o600)}))  # usable again
+    store.reader.verify(small)
+    store.reader.verify(commit(store, files={"b.img": (b"b" * 1000, 0o600)}))  # usable again
 
 
 def test_a_layer_larger_than_the_free_space_is_refused_before_extracting(
@@ -98,7 +98,7 @@ def test_a_layer_larger_than_the_free_space_is_refused_before_extracting(
     entry = commit(store, files={"pages-1.img": (bytes(12 << 20), 0o600)})  # compresses to ~0
     dest = tiny_fs / "restore" / "images"
     with pytest.raises(errors.ResourceExhausted, match=r"needs \d+ bytes .* nothing was extracted"):
-        store.extract_layer(entry, "criu", str(dest))
+        store.reader.extract_layer(entry, "criu", str(dest))
     assert os.listdir(tiny_fs / "restore") == []
 
 
@@ -110,5 +110,5 @@ def test_enospc_while_extracting_leaves_nothing_behind(tiny_fs: Path, tmp_path: 
     entry = commit(store, files=files)
     dest = tiny_fs / "restore" / "images"
     with pytest.raises(errors.ResourceExhausted, match="no space left"):
-        store.extract_layer(entry, "criu", str(dest))
+        store.reader.extract_layer(entry, "criu", str(dest))
     assert os.listdir(tiny_fs / "restore") == []

@@ -35,7 +35,7 @@ def commit_checkpoint(
         "image": "docker.io/library/busybox:latest",
         "versions": {"shim": "0.1.0", "runc": "runc 1.2", "criu": "4.2", "arch": "x86_64"},
     }
-    ingest = store.begin(scope=scope, label=label, metadata=meta)
+    ingest = store.writer.begin(scope=scope, label=label, metadata=meta)
     images = Path(ingest.dir("criu"))
     for name, data in files.items():
         (images / name).write_bytes(data)

@@ -82,7 +82,7 @@ class Forged:
 def with_member(store: Store, entry: Entry, name: str, data: bytes, layer: str = "criu") -> bytes:
     """``entry``'s ``layer`` tar again, with one more member: what a forged blob holds
     whose config records its true size (compress it, and pass ``len`` to :func:`forge`)."""
-    with store.open_blob(entry.layer(layer).digest, "tar blob") as f:
+    with store.adopter.open_blob(entry.layer(layer).digest, "tar blob") as f:
         tar = zstandard.ZstdDecompressor().stream_reader(f).read()
     out = io.BytesIO()
     with (
@@ -123,7 +123,7 @@ def forge(
             split = sum(f["size"] for f in recorded.get("split_files", []))
             recorded.update(digest=bomb_digest, size=len(bomb), raw_size=split + tar_raw_size)
     config = json.dumps(metadata).encode()
-    document = json.loads(store.checkpoint_manifest(entry))
+    document = json.loads(store.adopter.checkpoint_manifest(entry))
     document["config"].update(digest=_sha256(config), size=len(config))
     for desc in document["layers"]:
         if desc["annotations"].get(ANN_TITLE) == layer and "chunk" not in desc["mediaType"]:
@@ -140,7 +140,7 @@ def _blob_source(store: Store, forged: Forged, digest: str) -> Callable[[int], I
         if digest in forged.blobs:
             stream: IO[bytes] = io.BytesIO(forged.blobs[digest])
         else:
-            stream = store.open_blob(digest, f"blob {digest}")
+            stream = store.adopter.open_blob(digest, f"blob {digest}")
         stream.seek(offset)
         return stream
 
@@ -163,15 +163,15 @@ def push_forged(
 def adopt_forged(target: Store, source: Store, forged: Forged) -> Entry:
     """``forged`` committed into ``target`` as a pull would (``target`` should not
     build a raw-image cache, which would decompress the bomb at once)."""
-    with target.begin_adoption(forged.id) as adoption:
+    with target.adopter.begin_adoption(forged.id) as adoption:
         for digest, size in manifest_blobs(parse_manifest(forged.manifest, "forged")).items():
             data = forged.blobs.get(digest)
             if data is None:
-                with source.open_blob(digest, digest) as f:
+                with source.adopter.open_blob(digest, digest) as f:
                     data = f.read()
 
             def fill(out: IO[bytes], data: bytes = data) -> None:
                 out.write(data)
 
             adoption.write_blob(digest, size, fill)
-        return target.adopt(adoption, forged.manifest)
+        return target.adopter.adopt(adoption, forged.manifest)

@@ -27,7 +27,7 @@ from cedana_shim.checkpoint.store import Store, StoreConfig
 from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_CRIU
 
 def begin(store, scope, label, data):
-    ing = store.begin(scope=scope, label=label, metadata={"container": "c"})
+    ing = store.writer.begin(scope=scope, label=label, metadata={"container": "c"})
     Path(ing.dir("criu"), "pages-1.img").write_bytes(data)
     ing.add_dir_layer("criu", ing.dir("criu"), MEDIA_TYPE_CRIU)
     ing.keep_raw("criu")
@@ -58,7 +58,7 @@ def stage(
     scope: str = "ns",
 ) -> Ingest:
     """An ingest as the pipeline fills it: CRIU's images 0644, a rootfs-diff tar beside."""
-    ing = store.begin(scope=scope, label=label, metadata={"container": "c1"})
+    ing = store.writer.begin(scope=scope, label=label, metadata={"container": "c1"})
     images = Path(ing.dir("criu"))
     for name, data in (files or CRIU_FILES).items():
         (images / name).write_bytes(data)
@@ -73,7 +73,7 @@ def stage(
 
 
 def publish(store: Store, label: str = "app", **kw: object) -> Entry:
-    return store.publish(stage(store, label, **kw))  # type: ignore[arg-type]
+    return store.writer.publish(stage(store, label, **kw))  # type: ignore[arg-type]
 
 
 def blob_names(store: Store) -> set[str]:
@@ -86,7 +86,7 @@ def read_blob(store: Store, digest: str) -> bytes:
 
 def referenced_blobs(store: Store) -> set[str]:
     out: set[str] = set()
-    for e in store.list():
+    for e in store.catalog.list():
         out.add(e.manifest_digest.removeprefix("sha256:"))
         manifest = json.loads(read_blob(store, e.manifest_digest))
         out.add(manifest["config"]["digest"].removeprefix("sha256:"))

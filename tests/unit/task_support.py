@@ -325,7 +325,7 @@ class TaskEnv:
 
     def checkpoints_of(self, label: str) -> list[str]:
         """Ids of the label's published checkpoints, newest first."""
-        return [e.id for e in self.store.list(scope=NAMESPACE, label=label)]
+        return [e.id for e in self.store.catalog.list(scope=NAMESPACE, label=label)]
 
 
 async def _cancel_the_rest() -> None:

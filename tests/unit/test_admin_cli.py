@@ -95,7 +95,7 @@ def commit(
         "network": NETWORK,
         **meta,
     }
-    ing = store.begin(scope=scope, label=label, metadata=metadata)
+    ing = store.writer.begin(scope=scope, label=label, metadata=metadata)
     criu = Path(ing.dir("criu"))
     (criu / "pages-1.img").write_bytes(os.urandom(payload))
     (criu / "inventory.img").write_bytes(b"x" * 100)
@@ -168,7 +168,7 @@ def test_list_table_is_aligned_newest_first(
         human_size(populated.new.raw_bytes), human_size(populated.web.raw_bytes), "-",
     ]  # fmt: skip
     assert populated.new.raw_bytes == 5100  # pages-1.img and inventory.img
-    assert populated.store.get(populated.old.id).raw_bytes == 0
+    assert populated.store.catalog.get(populated.old.id).raw_bytes == 0
 
 
 def test_list_json_follows_the_contract(
@@ -262,12 +262,12 @@ def test_list_status_shows_a_truncated_blob_or_raw_file_without_hashing(
 
 
 def publish_raw(store: Store, scope: str, label: str) -> Entry:
-    ing = store.begin(scope=scope, label=label, metadata={"container": "trainer"})
+    ing = store.writer.begin(scope=scope, label=label, metadata={"container": "trainer"})
     criu = Path(ing.dir("criu"))
     (criu / "pages-1.img").write_bytes(os.urandom(1000))
     ing.add_dir_layer("criu", str(criu), MEDIA_TYPE_CRIU)
     ing.keep_raw("criu")
-    return store.publish(ing)
+    return store.writer.publish(ing)
 
 
 def test_list_and_inspect_show_the_state_and_the_raw_bytes(
@@ -319,7 +319,7 @@ def test_repair_rebuilds_a_damaged_or_missing_index(
     ids = [populated.old.id, populated.web.id, populated.new.id]
     assert lines[2:5] == [f"recovered {i} (compacted)" for i in ids]
     assert lines[5] == "recovered 3 checkpoints, dropped 0"
-    assert [e.id for e in populated.store.list()] == ids[::-1]
+    assert [e.id for e in populated.store.catalog.list()] == ids[::-1]
 
     index.unlink()
     r = repair(populated.root, capsys, as_json=True)
@@ -431,10 +431,10 @@ def test_rm_removes_and_reports_unknown_ids(
     assert r.rc == 1
     assert r.out == f"{populated.old.id}\n{populated.web.id}\n"
     assert r.err == f"cedana: checkpoint {unknown}: not found in {populated.root}\n"
-    assert [e.id for e in populated.store.list()] == [populated.new.id]
+    assert [e.id for e in populated.store.catalog.list()] == [populated.new.id]
     r = cli(capsys, "checkpoints", "remove", populated.new.id, "--store", populated.root)
     assert (r.rc, r.out, r.err) == (0, f"{populated.new.id}\n", "")
-    assert populated.store.list() == []
+    assert populated.store.catalog.list() == []
     assert os.listdir(Path(populated.root, "blobs", "sha256")) == []
 
 
@@ -450,7 +450,7 @@ def test_prune_keep_one_with_gc(populated: Populated, capsys: pytest.CaptureFixt
         "gc: freed 700 B (700 bytes) of unreferenced blobs and stale files",
     ]
     assert not stale.exists()
-    assert [e.id for e in populated.store.list()] == [populated.new.id, populated.web.id]
+    assert [e.id for e in populated.store.catalog.list()] == [populated.new.id, populated.web.id]
 
     r = cli(capsys, "checkpoints", "prune", "--keep", "1", "--store", populated.root)
     assert r.out == "pruned 0 checkpoints, kept the newest 1 of each namespace/label\n"
@@ -465,7 +465,7 @@ def test_prune_filters_and_json(populated: Populated, capsys: pytest.CaptureFixt
     assert [i["id"] for i in doc["removed"]] == [populated.web.id]
     assert set(doc["removed"][0]) >= CONTRACT_KEYS
     assert doc["gcFreedBytes"] is None
-    assert [e.id for e in populated.store.list()] == [populated.new.id, populated.old.id]
+    assert [e.id for e in populated.store.catalog.list()] == [populated.new.id, populated.old.id]
 
 
 # --------------------------------------------------------------------------- errors
@@ -510,7 +510,7 @@ def test_damaged_index_is_an_error_not_a_traceback(
     # A write repairs it first, then does its job.
     r = cli(capsys, "checkpoints", "rm", populated.old.id, "--store", populated.root)
     assert (r.rc, r.out) == (0, f"{populated.old.id}\n"), r.err
-    assert [e.id for e in populated.store.list()] == [populated.new.id, populated.web.id]
+    assert [e.id for e in populated.store.catalog.list()] == [populated.new.id, populated.web.id]
 
 
 def test_store_path_comes_from_node_config_and_env(

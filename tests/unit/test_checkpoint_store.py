@@ -61,14 +61,14 @@ def commit(
     files: dict[str, tuple[bytes, int]] | None = None,
     **metadata: object,
 ) -> Entry:
-    ing = store.begin(scope=scope, label=label, metadata={"container": "c1", **metadata})
+    ing = store.writer.begin(scope=scope, label=label, metadata={"container": "c1", **metadata})
     write_tree(Path(ing.dir("criu")), files or {"pages-1.img": (os.urandom(1000), 0o600)})
     ing.add_dir_layer("criu", ing.dir("criu"), MEDIA_TYPE_CRIU)
     return store.commit(ing)
 
 
 def begin_with_files(store: Store, scope: str = "ns", label: str = "app") -> Ingest:
-    ing = store.begin(scope=scope, label=label, metadata={"container": "c1"})
+    ing = store.writer.begin(scope=scope, label=label, metadata={"container": "c1"})
     write_tree(Path(ing.dir("criu")), {"pages-1.img": (os.urandom(1000), 0o600)})
     ing.add_dir_layer("criu", ing.dir("criu"), MEDIA_TYPE_CRIU)
     return ing
@@ -105,7 +105,7 @@ from cedana_shim.checkpoint.store import Store, StoreConfig
 from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_CRIU
 
 def commit(store, scope, label, data):
-    ing = store.begin(scope=scope, label=label, metadata={"container": "c"})
+    ing = store.writer.begin(scope=scope, label=label, metadata={"container": "c"})
     Path(ing.dir("criu"), "pages-1.img").write_bytes(data)
     ing.add_dir_layer("criu", ing.dir("criu"), MEDIA_TYPE_CRIU)
     return store.commit(ing)
@@ -123,7 +123,7 @@ def test_round_trip_preserves_bytes_and_modes(tmp_path: Path) -> None:
         "empty.img": (b"", 0o400),
         "sub/dir/exe": (b"#!/bin/sh\n", 0o755),
     }
-    ing = store.begin(scope="ns", label="app", metadata={"container": "c1", "pid": 42})
+    ing = store.writer.begin(scope="ns", label="app", metadata={"container": "c1", "pid": 42})
     write_tree(Path(ing.dir("criu")), files)
     Path(ing.dir("criu"), "sub").chmod(0o750)
     ing.add_dir_layer("criu", ing.dir("criu"), MEDIA_TYPE_CRIU)
@@ -131,9 +131,9 @@ def test_round_trip_preserves_bytes_and_modes(tmp_path: Path) -> None:
     entry = store.commit(ing)
 
     assert not os.path.exists(ing.path), "the ingest must be gone after commit"
-    assert [e.id for e in store.list()] == [entry.id]
-    assert store.get(entry.id) == entry
-    store.verify(entry)
+    assert [e.id for e in store.catalog.list()] == [entry.id]
+    assert store.catalog.get(entry.id) == entry
+    store.reader.verify(entry)
 
     raw = sum(len(d) for d, _ in files.values())
     (layer,) = entry.layers
@@ -150,7 +150,7 @@ def test_round_trip_preserves_bytes_and_modes(tmp_path: Path) -> None:
     )
 
     dest = tmp_path / "restore" / "images"
-    store.extract_layer(entry, "criu", str(dest))
+    store.reader.extract_layer(entry, "criu", str(dest))
     assert stat.S_IMODE(dest.stat().st_mode) == 0o700
     for rel, (data, mode) in files.items():
         assert (dest / rel).read_bytes() == data
@@ -200,24 +200,24 @@ def test_file_layer_and_open_layer_stream_the_tar(tmp_path: Path) -> None:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    ing = store.begin(scope="ns", label="app", metadata={})
+    ing = store.writer.begin(scope="ns", label="app", metadata={})
     ing.add_file_layer("rootfs-diff", str(tar_path), MEDIA_TYPE_ROOTFS_DIFF)
     write_tree(Path(ing.dir("criu")), {"a.img": (b"a", 0o600)})
     ing.add_dir_layer("criu", ing.dir("criu"), MEDIA_TYPE_CRIU)
     entry = store.commit(ing)
     assert [x.name for x in entry.layers] == ["rootfs-diff", "criu"]
     assert entry.layer("rootfs-diff").raw_size == tar_path.stat().st_size
-    with store.open_layer(entry, "rootfs-diff") as stream:
+    with store.reader.open_layer(entry, "rootfs-diff") as stream:
         assert stream.read() == tar_path.read_bytes()
     with pytest.raises(errors.NotFound, match="has no layer 'nope'"):
-        store.open_layer(entry, "nope")
+        store.reader.open_layer(entry, "nope")
 
 
 def test_file_layer_refuses_a_non_tar(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     bogus = tmp_path / "bogus.tar"
     bogus.write_bytes(b"hello" * 400)
-    with store.begin(scope="ns", label="app", metadata={}) as ing:
+    with store.writer.begin(scope="ns", label="app", metadata={}) as ing:
         with pytest.raises(errors.InvalidArgument, match="not a tar archive"):
             ing.add_file_layer("x", str(bogus), MEDIA_TYPE_ROOTFS_DIFF)
         with pytest.raises(errors.NotFound):
@@ -226,31 +226,31 @@ def test_file_layer_refuses_a_non_tar(tmp_path: Path) -> None:
 
 def test_abort_and_with_block_leave_nothing(tmp_path: Path) -> None:
     store = make_store(tmp_path)
-    ing = store.begin(scope="ns", label="app", metadata={})
+    ing = store.writer.begin(scope="ns", label="app", metadata={})
     Path(ing.dir("criu"), "x").write_bytes(b"x")
-    store.abort(ing)
-    store.abort(ing)  # idempotent
+    store.writer.abort(ing)
+    store.writer.abort(ing)  # idempotent
     assert not os.path.exists(ing.path)
     with pytest.raises(errors.FailedPrecondition, match="already committed or aborted"):
         store.commit(ing)
-    with store.begin(scope="ns", label="app", metadata={}) as ing2:
+    with store.writer.begin(scope="ns", label="app", metadata={}) as ing2:
         ing2.dir("criu")
     assert not os.path.exists(ing2.path)
-    assert store.list() == []
+    assert store.catalog.list() == []
     assert os.listdir(os.path.join(store.root, "ingest")) == []
 
 
 def test_arguments_are_validated(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     with pytest.raises(errors.InvalidArgument, match="scope"):
-        store.begin(scope="", label="x", metadata={})
+        store.writer.begin(scope="", label="x", metadata={})
     with pytest.raises(errors.InvalidArgument, match="control characters"):
-        store.begin(scope="ns", label="a\nb", metadata={})
+        store.writer.begin(scope="ns", label="a\nb", metadata={})
     with pytest.raises(errors.InvalidArgument, match="reserved"):
-        store.begin(scope="ns", label="x", metadata={"id": "mine"})
+        store.writer.begin(scope="ns", label="x", metadata={"id": "mine"})
     with pytest.raises(errors.InvalidArgument, match="JSON"):
-        store.begin(scope="ns", label="x", metadata={"f": float("nan")})
-    with store.begin(scope="ns", label="x", metadata={}) as ing:
+        store.writer.begin(scope="ns", label="x", metadata={"f": float("nan")})
+    with store.writer.begin(scope="ns", label="x", metadata={}) as ing:
         with pytest.raises(errors.InvalidArgument, match="layer name"):
             ing.add_dir_layer("../x", ing.dir("criu"), MEDIA_TYPE_CRIU)
         with pytest.raises(errors.InvalidArgument, match="media type"):
@@ -263,11 +263,11 @@ def test_arguments_are_validated(tmp_path: Path) -> None:
         with pytest.raises(errors.InvalidArgument, match="added twice"):
             ing.add_dir_layer("criu", ing.dir("criu"), MEDIA_TYPE_CRIU)
     with pytest.raises(errors.InvalidArgument, match="not a checkpoint id"):
-        store.get("../../etc")
+        store.catalog.get("../../etc")
     with pytest.raises(errors.NotFound, match="20991231T000000Z-00000000 not found"):
-        store.get("20991231T000000Z-00000000")
+        store.catalog.get("20991231T000000Z-00000000")
     with pytest.raises(errors.NotFound):
-        store.remove("20991231T000000Z-00000000")
+        store.maintenance.remove("20991231T000000Z-00000000")
     for bad in (
         StoreConfig(root=str(tmp_path / "s2"), compression_level=99),
         StoreConfig(root=str(tmp_path / "s2"), threads=-1),
@@ -319,11 +319,11 @@ def test_missing_index_over_existing_blobs_is_repaired_not_a_fresh_start(tmp_pat
     entry = commit(store)
     os.unlink(os.path.join(store.root, "index.json"))
     with pytest.raises(errors.DataLoss, match=r"index\.json is missing.*checkpoints repair"):
-        store.list()
+        store.catalog.list()
     reopened = make_store(tmp_path)  # opening the store rebuilds the index
     assert blob_names(store), "blobs must survive"
-    assert reopened.list() == [entry]
-    reopened.verify(entry)
+    assert reopened.catalog.list() == [entry]
+    reopened.reader.verify(entry)
 
 
 # ------------------------------------------------------------------ order, retention, scope
@@ -332,9 +332,9 @@ def test_missing_index_over_existing_blobs_is_repaired_not_a_fresh_start(tmp_pat
 def test_newest_first_everywhere(tmp_path: Path) -> None:
     store = make_store(tmp_path, retain=0)
     ids = [commit(store).id for _ in range(4)]
-    assert [e.id for e in store.list()] == ids[::-1]
-    assert [e.id for e in store.candidates("ns", "app")] == ids[::-1]
-    created = [parse_created(e.created) for e in store.list()]
+    assert [e.id for e in store.catalog.list()] == ids[::-1]
+    assert [e.id for e in store.reader.candidates("ns", "app")] == ids[::-1]
+    created = [parse_created(e.created) for e in store.catalog.list()]
     assert created == sorted(created, reverse=True)  # type: ignore[type-var]
 
 
@@ -343,26 +343,26 @@ def test_retention_keeps_newest_n_per_scope_and_label(tmp_path: Path) -> None:
     other_label = commit(store, "ns", "other")
     other_scope = commit(store, "ns-b", "app")
     ids = [commit(store, "ns", "app").id for _ in range(5)]
-    assert [e.id for e in store.candidates("ns", "app")] == ids[:2:-1]
-    assert [e.id for e in store.candidates("ns", "other")] == [other_label.id]
-    assert [e.id for e in store.candidates("ns-b", "app")] == [other_scope.id]
+    assert [e.id for e in store.reader.candidates("ns", "app")] == ids[:2:-1]
+    assert [e.id for e in store.reader.candidates("ns", "other")] == [other_label.id]
+    assert [e.id for e in store.reader.candidates("ns-b", "app")] == [other_scope.id]
     assert blob_names(store) == referenced_blobs(store), "dropped checkpoints' blobs must go"
-    for e in store.list():
-        store.verify(e)
+    for e in store.catalog.list():
+        store.reader.verify(e)
 
 
 def test_prune_and_remove(tmp_path: Path) -> None:
     store = make_store(tmp_path, retain=0)
     a = [commit(store, "ns", "a").id for _ in range(3)]
     b = [commit(store, "ns", "b").id for _ in range(2)]
-    assert store.prune(scope="ns", label="a", keep=1) == [a[1], a[0]]
-    assert [e.id for e in store.list()] == [b[1], b[0], a[2]]
-    store.remove(b[1])
-    assert [e.id for e in store.list()] == [b[0], a[2]]
-    assert store.prune(keep=0) == [b[0], a[2]]
+    assert store.maintenance.prune(scope="ns", label="a", keep=1) == [a[1], a[0]]
+    assert [e.id for e in store.catalog.list()] == [b[1], b[0], a[2]]
+    store.maintenance.remove(b[1])
+    assert [e.id for e in store.catalog.list()] == [b[0], a[2]]
+    assert store.maintenance.prune(keep=0) == [b[0], a[2]]
     assert blob_names(store) == set()
     with pytest.raises(errors.InvalidArgument):
-        store.prune(keep=-1)
+        store.maintenance.prune(keep=-1)
 
 
 def test_blobs_shared_between_checkpoints_survive_removal_of_one(tmp_path: Path) -> None:
@@ -371,13 +371,13 @@ def test_blobs_shared_between_checkpoints_survive_removal_of_one(tmp_path: Path)
     write_tree(shared, {"pages.img": (os.urandom(50_000), 0o600)})
     entries = []
     for label in ("x", "y"):
-        ing = store.begin(scope="ns", label=label, metadata={})
+        ing = store.writer.begin(scope="ns", label=label, metadata={})
         ing.add_dir_layer("rootfs", str(shared), MEDIA_TYPE_ROOTFS_DIFF)
         entries.append(store.commit(ing))
     assert entries[0].layers[0].digest == entries[1].layers[0].digest
-    store.remove(entries[0].id)
-    assert store.gc() == 0
-    store.verify(entries[1])
+    store.maintenance.remove(entries[0].id)
+    assert store.maintenance.gc() == 0
+    store.reader.verify(entries[1])
     assert blob_names(store) == referenced_blobs(store)
 
 
@@ -385,11 +385,11 @@ def test_scope_isolation(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     a = commit(store, "ns-a", "x")
     b = commit(store, "ns-b", "x")
-    assert [e.id for e in store.candidates("ns-a", "x")] == [a.id]
-    assert [e.id for e in store.candidates("ns-b", "x")] == [b.id]
-    assert store.candidates("ns-c", "x") == []
-    assert {e.scope for e in store.list(label="x")} == {"ns-a", "ns-b"}
-    assert [e.id for e in store.list(scope="ns-a")] == [a.id]
+    assert [e.id for e in store.reader.candidates("ns-a", "x")] == [a.id]
+    assert [e.id for e in store.reader.candidates("ns-b", "x")] == [b.id]
+    assert store.reader.candidates("ns-c", "x") == []
+    assert {e.scope for e in store.catalog.list(label="x")} == {"ns-a", "ns-b"}
+    assert [e.id for e in store.catalog.list(scope="ns-a")] == [a.id]
 
 
 # --------------------------------------------------------------------------- concurrency
@@ -413,7 +413,7 @@ def test_concurrent_threads_lose_nothing(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert failures == []
-    listed = store.list()
+    listed = store.catalog.list()
     assert sorted(e.id for e in listed) == sorted(results) and len(results) == 40
     for e in listed:
         assert e.damage is None
@@ -442,11 +442,11 @@ for i in range(10):
     committed = sorted(line for out in outputs for line in out.split())
     store = Store(StoreConfig(root=root, retain=0))
     assert len(committed) == 40
-    assert sorted(e.id for e in store.list()) == committed
+    assert sorted(e.id for e in store.catalog.list()) == committed
     for n in range(4):
-        assert len(store.candidates("ns", f"p{n}")) == 10
-    for e in store.list():
-        store.verify(e)
+        assert len(store.reader.candidates("ns", f"p{n}")) == 10
+    for e in store.catalog.list():
+        store.reader.verify(e)
 
 
 # --------------------------------------------------------------------------- crashes
@@ -478,18 +478,18 @@ print("survived", flush=True)
     good_id = child.stdout.split()[0]
 
     store = Store(StoreConfig(root=root, retain=1))
-    listed = store.list()
+    listed = store.catalog.list()
     published = COMMIT_STEPS.index(step) >= COMMIT_STEPS.index("index-replaced")
     assert len(listed) == 1
     if published:  # retain=1: the new one replaced the good one
         assert listed[0].id != good_id
     else:
         assert listed[0].id == good_id
-    store.verify(listed[0])
-    store.extract_layer(listed[0], "criu", str(tmp_path / "out"))
+    store.reader.verify(listed[0])
+    store.reader.extract_layer(listed[0], "criu", str(tmp_path / "out"))
     assert len((tmp_path / "out" / "pages-1.img").read_bytes()) == 300_000
 
-    store.gc()
+    store.maintenance.gc()
     assert os.listdir(os.path.join(root, "ingest")) == []
     assert blob_names(store) == referenced_blobs(store)
     assert sorted(os.listdir(root)) == [
@@ -504,7 +504,7 @@ def test_gc_spares_the_ingest_of_a_live_writer_in_another_process(tmp_path: Path
         CHILD_PRELUDE
         + """
 store = Store(StoreConfig(root=sys.argv[1]))
-ing = store.begin(scope="ns", label="app", metadata={})
+ing = store.writer.begin(scope="ns", label="app", metadata={})
 Path(ing.dir("criu"), "pages-1.img").write_bytes(b"p" * 100_000)
 print(ing.path, flush=True)
 sys.stdin.read()  # hold the ingest until told to go
@@ -520,12 +520,12 @@ sys.stdin.read()  # hold the ingest until told to go
         assert child.stdout is not None
         ingest_path = child.stdout.readline().strip()
         store = Store(StoreConfig(root=root))
-        store.gc()
+        store.maintenance.gc()
         assert os.path.exists(os.path.join(ingest_path, "dirs", "criu", "pages-1.img"))
     finally:
         child.kill()
         child.wait()
-    assert store.gc() >= 100_000
+    assert store.maintenance.gc() >= 100_000
     assert not os.path.exists(ingest_path)
 
 
@@ -552,33 +552,33 @@ print(commit(store, "ns", "app", os.urandom(10_000)).id, flush=True)
     assert child.stdout is not None
     assert child.stdout.readline().strip() == "placed"
     started = time.monotonic()
-    store.gc()  # must block on index.lock, then find the blobs referenced
+    store.maintenance.gc()  # must block on index.lock, then find the blobs referenced
     assert time.monotonic() - started > 0.3
     checkpoint_id = child.stdout.readline().strip()
     assert child.wait(timeout=30) == 0
-    store.verify(store.get(checkpoint_id))
+    store.reader.verify(store.catalog.get(checkpoint_id))
 
 
 def test_gc_spares_an_open_ingest_of_this_process_and_commit_still_works(tmp_path: Path) -> None:
     store = make_store(tmp_path)
-    ing = store.begin(scope="ns", label="app", metadata={})
+    ing = store.writer.begin(scope="ns", label="app", metadata={})
     Path(ing.dir("criu"), "pages-1.img").write_bytes(b"p" * 1000)
-    assert store.gc() == 0
+    assert store.maintenance.gc() == 0
     ing.add_dir_layer("criu", ing.dir("criu"), MEDIA_TYPE_CRIU)
     entry = store.commit(ing)
-    store.verify(entry, require=["criu"])
+    store.reader.verify(entry, require=["criu"])
     with pytest.raises(errors.DataLoss, match="has no 'rootfs-diff' layer"):
-        store.verify(entry, require=["criu", "rootfs-diff"])
+        store.reader.verify(entry, require=["criu", "rootfs-diff"])
 
 
 def test_a_forgotten_ingest_becomes_garbage_once_collected(tmp_path: Path) -> None:
     store = make_store(tmp_path)
-    ing = store.begin(scope="ns", label="app", metadata={})
+    ing = store.writer.begin(scope="ns", label="app", metadata={})
     Path(ing.dir("criu"), "x").write_bytes(b"x" * 100)
     path = ing.path
     del ing
     gc_module.collect()
-    assert store.gc() > 100 and not os.path.exists(path)
+    assert store.maintenance.gc() > 100 and not os.path.exists(path)
 
 
 def test_gc_removes_a_lockless_ingest_only_after_the_grace_period(tmp_path: Path) -> None:
@@ -586,10 +586,10 @@ def test_gc_removes_a_lockless_ingest_only_after_the_grace_period(tmp_path: Path
     stale = Path(store.root, "ingest", "20200101T000000Z-deadbeef")
     stale.mkdir(mode=0o700)
     (stale / "junk").write_bytes(b"j" * 10)
-    store.gc()
+    store.maintenance.gc()
     assert stale.exists(), "might be a begin() in progress"
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
-    assert store.gc() == 10
+    assert store.maintenance.gc() == 10
     assert not stale.exists()
 
 
@@ -610,7 +610,7 @@ def test_failure_after_placing_blobs_rolls_them_back(tmp_path: Path) -> None:
     assert blob_names(store) == before_blobs
     assert os.listdir(os.path.join(store.root, "ingest")) == []
     assert [f for f in os.listdir(store.root) if f.startswith("index.json.tmp")] == []
-    store.verify(first)
+    store.reader.verify(first)
 
 
 # --------------------------------------------------------------------------- damage
@@ -628,19 +628,19 @@ def test_flipped_byte_is_data_loss_and_the_older_checkpoint_still_verifies(
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
 
-    assert [e.id for e in store.candidates("ns", "app")] == [new.id, old.id]
+    assert [e.id for e in store.reader.candidates("ns", "app")] == [new.id, old.id]
     with pytest.raises(errors.DataLoss) as info:
-        store.verify(new)
+        store.reader.verify(new)
     assert new.id in str(info.value) and str(path) in str(info.value)
-    store.verify(new, deep=False)  # same size: only the digest can tell
-    store.verify(old)
+    store.reader.verify(new, deep=False)  # same size: only the digest can tell
+    store.reader.verify(old)
 
     dest = tmp_path / "out"
     with pytest.raises(errors.DataLoss, match=new.id):
-        store.extract_layer(new, "criu", str(dest))
+        store.reader.extract_layer(new, "criu", str(dest))
     assert not dest.exists() and os.listdir(tmp_path) == ["store"]
     with pytest.raises(errors.DataLoss, match="corrupt"):
-        store.open_layer(new, "criu")
+        store.reader.open_layer(new, "criu")
 
 
 def test_truncated_layer_is_data_loss(tmp_path: Path) -> None:
@@ -649,9 +649,9 @@ def test_truncated_layer_is_data_loss(tmp_path: Path) -> None:
     path = blob_path(store, entry.layers[0].digest)
     os.truncate(path, path.stat().st_size // 2)
     with pytest.raises(errors.DataLoss, match=r"truncated"):
-        store.verify(entry, deep=False)
+        store.reader.verify(entry, deep=False)
     with pytest.raises(errors.DataLoss, match=r"truncated"):
-        store.extract_layer(entry, "criu", str(tmp_path / "out"))
+        store.reader.extract_layer(entry, "criu", str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
 
@@ -660,7 +660,7 @@ def test_missing_blob_names_the_checkpoint_and_the_blob(tmp_path: Path) -> None:
     entry = commit(store)
     os.unlink(blob_path(store, entry.layers[0].digest))
     with pytest.raises(errors.DataLoss, match=rf"{entry.id}.*'criu'.*missing"):
-        store.verify(entry)
+        store.reader.verify(entry)
 
 
 def test_damaged_manifest_or_config_is_listed_but_fails_verify(tmp_path: Path) -> None:
@@ -672,25 +672,25 @@ def test_damaged_manifest_or_config_is_listed_but_fails_verify(tmp_path: Path) -
     config_digest = json.loads(read_blob(store, bad_config.manifest_digest))["config"]["digest"]
     os.unlink(blob_path(store, config_digest))
 
-    listed = {e.id: e for e in store.candidates("ns", "app")}
+    listed = {e.id: e for e in store.reader.candidates("ns", "app")}
     assert list(listed) == [bad_config.id, bad_manifest.id, good.id]
     assert listed[bad_manifest.id].damage is not None
     assert "missing" in (listed[bad_config.id].damage or "")
     for damaged in (bad_manifest, bad_config, listed[bad_manifest.id]):
         with pytest.raises(errors.DataLoss, match=damaged.id):
-            store.verify(damaged)
-    store.verify(listed[good.id])
+            store.reader.verify(damaged)
+    store.reader.verify(listed[good.id])
     # gc cannot know what an unreadable manifest references: it deletes nothing.
     before = blob_names(store)
-    assert store.gc() == 0 and blob_names(store) == before
+    assert store.maintenance.gc() == 0 and blob_names(store) == before
 
 
 def test_checkpoint_removed_while_in_use_is_reported_as_such(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     entry = commit(store)
-    store.remove(entry.id)
+    store.maintenance.remove(entry.id)
     with pytest.raises(errors.DataLoss, match="no longer in"):
-        store.verify(entry)
+        store.reader.verify(entry)
 
 
 MALFORMED_INDEXES = {
@@ -732,7 +732,7 @@ def test_malformed_index_is_data_loss_naming_the_file(tmp_path: Path, case: str)
     index_path = Path(store.root, "index.json")
     index_path.write_bytes(MALFORMED_INDEXES[case])
     blobs = blob_names(store)
-    for call in (store.list, lambda: store.candidates("ns", "app")):
+    for call in (store.catalog.list, lambda: store.reader.candidates("ns", "app")):
         with pytest.raises(errors.DataLoss, match=str(index_path)) as info:
             call()
         assert "cedana checkpoints repair" in str(info.value)
@@ -744,25 +744,27 @@ def test_malformed_index_is_data_loss_naming_the_file(tmp_path: Path, case: str)
 def test_a_write_path_repairs_a_malformed_index_first(tmp_path: Path, write: str) -> None:
     store = make_store(tmp_path, retain=0)
     entry = commit(store)
-    raw = store.publish(begin_with_files(store))
+    raw = store.writer.publish(begin_with_files(store))
     index_path = Path(store.root, "index.json")
     damaged = MALFORMED_INDEXES["not json"]
     index_path.write_bytes(damaged)
     calls = {
-        "gc": store.gc,
+        "gc": store.maintenance.gc,
         "commit": lambda: commit(store),
-        "begin": lambda: store.abort(store.begin(scope="ns", label="app", metadata={})),
-        "remove": lambda: store.remove(entry.id),
-        "prune": lambda: store.prune(label="other", keep=0),
-        "compact": lambda: store.compact(raw.id),
+        "begin": lambda: store.writer.abort(
+            store.writer.begin(scope="ns", label="app", metadata={})
+        ),
+        "remove": lambda: store.maintenance.remove(entry.id),
+        "prune": lambda: store.maintenance.prune(label="other", keep=0),
+        "compact": lambda: store.compactor.compact(raw.id),
     }
     calls[write]()
     (copy,) = [p for p in Path(store.root).iterdir() if p.name.startswith("index.json.damaged-")]
     assert copy.read_bytes() == damaged, "the damaged index is kept aside, as it was"
-    listed = {e.id: e for e in store.list()}
+    listed = {e.id: e for e in store.catalog.list()}
     assert raw.id in listed and (entry.id in listed) == (write != "remove")
     for e in listed.values():
-        store.verify(e)
+        store.reader.verify(e)
     assert blob_names(store) == referenced_blobs(store)
 
 
@@ -796,10 +798,10 @@ def test_foreign_index_entries_and_their_blobs_are_kept(tmp_path: Path) -> None:
     )  # fmt: skip
     index_path.write_text(json.dumps(index))
     commit(store)
-    store.gc()
+    store.maintenance.gc()
     after = json.loads(index_path.read_text())["manifests"]
     assert any(m["annotations"].get("org.opencontainers.image.ref.name") for m in after)
-    assert len(store.list()) == 1
+    assert len(store.catalog.list()) == 1
     assert blob_path(store, layer_digest).read_bytes() == layer
 
 
@@ -844,14 +846,14 @@ def test_extract_refuses_unsafe_members_and_writes_nothing(tmp_path: Path, case:
     tar_path = tmp_path / "evil.tar"
     crafted_tar(tar_path, *members)
     store = make_store(tmp_path)
-    ing = store.begin(scope="ns", label="app", metadata={})
+    ing = store.writer.begin(scope="ns", label="app", metadata={})
     ing.add_file_layer("criu", str(tar_path), MEDIA_TYPE_CRIU)
     entry = store.commit(ing)
 
     before = tree_snapshot(tmp_path)
     dest = work / "restore" / "images"
     with pytest.raises(errors.DataLoss, match=rf"unsafe tar member .*{why}"):
-        store.extract_layer(entry, "criu", str(dest))
+        store.reader.extract_layer(entry, "criu", str(dest))
     after = tree_snapshot(tmp_path)
     assert set(after) - set(before) == {"work/restore"}  # the parent it was asked to use
     assert {k: after[k] for k in before} == before
@@ -866,9 +868,9 @@ def test_extract_into_a_non_empty_directory_is_refused(tmp_path: Path) -> None:
     dest.mkdir()
     (dest / "keep").write_text("x")
     with pytest.raises(errors.FailedPrecondition, match="not an empty directory"):
-        store.extract_layer(entry, "criu", str(dest))
+        store.reader.extract_layer(entry, "criu", str(dest))
     assert os.listdir(dest) == ["keep"]
     empty = tmp_path / "empty"
     empty.mkdir()
-    store.extract_layer(entry, "criu", str(empty))
+    store.reader.extract_layer(entry, "criu", str(empty))
     assert os.listdir(empty) == ["pages-1.img"]

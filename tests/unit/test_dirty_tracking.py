@@ -45,7 +45,7 @@ async def _compacted(env: TaskEnv, checkpoint_id: str) -> str:
     """Once the background compaction of the checkpoint is done, as it is long before
     the next periodic checkpoint: a dump racing it may find the parent's raw images
     in flux and fall back to a full dump (what the fallback tests below cover)."""
-    await env.until(lambda: env.store.get(checkpoint_id).state == "compacted", "compacted")
+    await env.until(lambda: env.store.catalog.get(checkpoint_id).state == "compacted", "compacted")
     return checkpoint_id
 
 
@@ -138,7 +138,7 @@ def test_a_failed_checkpoint_leaves_no_parent_for_the_next(tmp_path: Path) -> No
 def test_a_parent_whose_raw_images_are_gone_gives_a_full_dump(tmp_path: Path) -> None:
     async def body(env: TaskEnv) -> None:
         first = await _tracked_with_a_checkpoint(env)
-        env.store.discard_raw(env.store.get(first))
+        env.store.raw.discard_raw(env.store.catalog.get(first))
         await env.cedana_checkpoint("c1", leave_running=True)
         assert _parent_of_dump(env, 1) is None
         await _kill(env)

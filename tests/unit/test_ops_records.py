@@ -62,7 +62,7 @@ def test_checkpoint_on_stop_leaves_one_record_and_one_line(
         await env.checkpoints.drain(5.0)
 
         (checkpointed,) = env.events.of(ev.TaskCheckpointed)
-        (entry_id,) = [e.id for e in env.store.list(scope="team-a", label="web")]
+        (entry_id,) = [e.id for e in env.store.catalog.list(scope="team-a", label="web")]
         assert (checkpointed.container_id, checkpointed.checkpoint) == ("c1", entry_id)
         assert "/tasks/checkpointed" in env.events.topics()
 
@@ -90,7 +90,7 @@ def test_checkpoint_on_stop_leaves_one_record_and_one_line(
         assert (compaction.kind, compaction.outcome, compaction.trigger) == (
             "compaction", "done", "stop",
         )  # fmt: skip
-        compacted = env.store.get(entry_id)
+        compacted = env.store.catalog.get(entry_id)
         assert compaction.size_bytes == compacted.size
         assert compaction.raw_bytes == sum(layer.raw_size for layer in compacted.layers)
         assert set(compaction.phases) <= {"compress", "other"}
@@ -179,7 +179,7 @@ def test_background_records_say_what_the_checkpoint_says_of_itself(tmp_path: Pat
     assert (push.namespace, push.label, push.checkpoint_id) == ("team-a", "web", entry.id)
     assert (push.size_bytes, push.raw_bytes, push.duration_seconds) == (0, 0, 2.0)
 
-    compacted = store.compact(entry.id)
+    compacted = store.compactor.compact(entry.id)
     assert compacted is not None
     done = background_record(store, oplog.COMPACTION, "done", entry.id, 1.0, {"compress": 1.0})
     assert done.size_bytes == compacted.size

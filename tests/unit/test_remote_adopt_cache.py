@@ -58,7 +58,7 @@ def source(tmp_path: Path) -> tuple[Store, Entry]:
 
 
 def _documents(store: Store, entry: Entry) -> tuple[bytes, Manifest]:
-    data = store.checkpoint_manifest(entry)
+    data = store.adopter.checkpoint_manifest(entry)
     return data, parse_manifest(data, "manifest")
 
 
@@ -98,18 +98,18 @@ def test_a_pulled_checkpoint_comes_with_its_raw_images(
     store, entry = source
     data, manifest = _documents(store, entry)
     target = make_store(tmp_path / "b", chunk_size=CHUNK)
-    with target.begin_adoption(entry.id) as adoption:
+    with target.adopter.begin_adoption(entry.id) as adoption:
         _begin(adoption, store, manifest)
         for digest, size in manifest_blobs(manifest).items():
             if digest != manifest.config.digest:
                 adoption.write_blob(digest, size, _writer(read_blob(store, digest)))
-        adopted = target.adopt(adoption, data)
-    raw = target.raw_images(adopted, "criu")
+        adopted = target.adopter.adopt(adoption, data)
+    raw = target.raw.raw_images(adopted, "criu")
     assert raw is not None and raw == os.path.join(target.root, "raw", entry.id, "criu")
     for name, content in FILES.items():
         assert Path(raw, name).read_bytes() == content
         assert Path(raw, name).stat().st_mode & 0o777 == 0o600
-    target.verify_raw(adopted, "criu")  # every CRC-32 as the dumping node recorded it
+    target.raw.verify_raw(adopted, "criu")  # every CRC-32 as the dumping node recorded it
     assert adopted.raw_bytes == sum(len(c) for c in FILES.values())
     assert sorted(os.listdir(Path(target.root, "ingest"))) == []
 
@@ -121,7 +121,7 @@ def test_chunks_the_store_had_are_written_into_the_cache_too(
     data, manifest = _documents(store, entry)
     target = make_store(tmp_path / "b", chunk_size=CHUNK)
     target.commit(stage(target, "other", files={"pages-1.img": FILES["pages-1.img"]}))
-    with target.begin_adoption(entry.id) as adoption:
+    with target.adopter.begin_adoption(entry.id) as adoption:
         _begin(adoption, store, manifest)
         linked = set()
         for digest, size in manifest_blobs(manifest).items():
@@ -131,11 +131,11 @@ def test_chunks_the_store_had_are_written_into_the_cache_too(
             elif digest != manifest.config.digest:
                 adoption.write_blob(digest, size, _writer(read_blob(store, digest)))
         assert linked  # the shared page image's chunks
-        adopted = target.adopt(adoption, data)
-    raw = target.raw_images(adopted, "criu")
+        adopted = target.adopter.adopt(adoption, data)
+    raw = target.raw.raw_images(adopted, "criu")
     assert raw is not None
     assert Path(raw, "pages-1.img").read_bytes() == FILES["pages-1.img"]
-    target.verify_raw(adopted, "criu")
+    target.raw.verify_raw(adopted, "criu")
 
 
 def test_a_corrupt_chunk_mid_stream_leaves_nothing_behind(
@@ -145,7 +145,7 @@ def test_a_corrupt_chunk_mid_stream_leaves_nothing_behind(
     _, manifest = _documents(store, entry)
     target = make_store(tmp_path / "b", chunk_size=CHUNK)
     chunk = manifest.chunks["criu"][2]
-    with target.begin_adoption(entry.id) as adoption:
+    with target.adopter.begin_adoption(entry.id) as adoption:
         _begin(adoption, store, manifest)
         assert os.listdir(adoption.path) != []
         with pytest.raises(DataLoss):
@@ -154,7 +154,7 @@ def test_a_corrupt_chunk_mid_stream_leaves_nothing_behind(
             )
         staging = adoption.path
     assert not os.path.exists(staging)
-    assert target.list() == []
+    assert target.catalog.list() == []
     assert not os.path.exists(os.path.join(target.root, "raw", entry.id))
 
 
@@ -166,11 +166,11 @@ def test_bytes_that_do_not_decompress_to_the_chunk_fail_the_pull(
     target = make_store(tmp_path / "b", chunk_size=CHUNK)
     chunk = manifest.chunks["criu"][0]
     other = manifest.chunks["criu"][-1]  # a valid zstd frame of another size
-    with target.begin_adoption(entry.id) as adoption:
+    with target.adopter.begin_adoption(entry.id) as adoption:
         _begin(adoption, store, manifest)
         with pytest.raises(DataLoss, match="decompresses to"):
             adoption.write_blob(chunk.digest, other.size, _writer(read_blob(store, other.digest)))
-    assert target.list() == []
+    assert target.catalog.list() == []
 
 
 def test_files_that_do_not_rebuild_the_file_list_are_not_kept_as_a_cache(
@@ -181,15 +181,15 @@ def test_files_that_do_not_rebuild_the_file_list_are_not_kept_as_a_cache(
     target = make_store(tmp_path / "b", chunk_size=CHUNK)
     # A list in another order hashes to another digest: as if this node's files differed.
     monkeypatch.setattr(CacheBuilder, "_ordered", lambda self, e: tuple(reversed(e)))
-    with target.begin_adoption(entry.id) as adoption:
+    with target.adopter.begin_adoption(entry.id) as adoption:
         _begin(adoption, store, manifest)
         for digest, size in manifest_blobs(manifest).items():
             if digest != manifest.config.digest:
                 adoption.write_blob(digest, size, _writer(read_blob(store, digest)))
-        adopted = target.adopt(adoption, data)
-    assert target.raw_images(adopted, "criu") is None
+        adopted = target.adopter.adopt(adoption, data)
+    assert target.raw.raw_images(adopted, "criu") is None
     assert not os.path.exists(os.path.join(target.root, "raw", entry.id))
-    target.verify(adopted, deep=True)  # the checkpoint itself is whole
+    target.reader.verify(adopted, deep=True)  # the checkpoint itself is whole
 
 
 def test_no_cache_for_a_checkpoint_older_than_the_labels_newest(
@@ -200,14 +200,14 @@ def test_no_cache_for_a_checkpoint_older_than_the_labels_newest(
     target = make_store(tmp_path / "b", chunk_size=CHUNK)
     newer = target.commit(stage(target, "trainer", files=FILES))
     assert newer.created > entry.created
-    with target.begin_adoption(entry.id) as adoption:
+    with target.adopter.begin_adoption(entry.id) as adoption:
         _begin(adoption, store, manifest)
         for digest, size in manifest_blobs(manifest).items():
             if digest != manifest.config.digest:
                 adoption.write_blob(digest, size, _writer(read_blob(store, digest)))
-        adopted = target.adopt(adoption, data)
-    assert target.raw_images(adopted, "criu") is None
-    assert target.raw_images(target.get(newer.id), "criu") is not None
+        adopted = target.adopter.adopt(adoption, data)
+    assert target.raw.raw_images(adopted, "criu") is None
+    assert target.raw.raw_images(target.catalog.get(newer.id), "criu") is not None
 
 
 def test_no_cache_when_the_store_keeps_none(source: tuple[Store, Entry], tmp_path: Path) -> None:
@@ -215,6 +215,6 @@ def test_no_cache_when_the_store_keeps_none(source: tuple[Store, Entry], tmp_pat
     _, manifest = _documents(store, entry)
     target = make_store(tmp_path / "b", chunk_size=CHUNK, cache_raw=False)
     config = parse_config(read_blob(store, manifest.config.digest), "config", _ref(manifest))
-    with target.begin_adoption(entry.id) as adoption:
+    with target.adopter.begin_adoption(entry.id) as adoption:
         assert adoption.cache_layer(manifest, config) is None
         assert not adoption.begin_cache(manifest, config)

@@ -33,7 +33,9 @@ def checkpoint(tmp_path: Path) -> tuple[Store, Entry]:
 
 
 def _manifest(store: Store, entry: Entry) -> tuple[dict[str, Any], CheckpointTag]:
-    data = checkpoint_manifest(store.checkpoint_manifest(entry), entry.metadata, "team-a", NODE)
+    data = checkpoint_manifest(
+        store.adopter.checkpoint_manifest(entry), entry.metadata, "team-a", NODE
+    )
     return json.loads(data), tag_for(entry.label, entry.created, entry.id, NODE)
 
 
@@ -48,7 +50,7 @@ def test_the_registry_manifest_is_the_store_manifest_plus_annotations(
 ) -> None:
     store, entry = checkpoint
     document, tag = _manifest(store, entry)
-    local = json.loads(store.checkpoint_manifest(entry))
+    local = json.loads(store.adopter.checkpoint_manifest(entry))
     assert document["config"] == local["config"] and document["layers"] == local["layers"]
     assert document["artifactType"] == ARTIFACT_TYPE
     ann = document["annotations"]

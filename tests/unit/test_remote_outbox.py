@@ -109,7 +109,7 @@ def test_a_checkpoint_gone_from_the_store_is_dropped_with_a_warning(
     entry = store.commit(stage(store, "gone"))
     outbox = Outbox(store.root)
     outbox.add(entry.id)
-    store.remove(entry.id)
+    store.maintenance.remove(entry.id)
     with caplog.at_level(logging.WARNING):
         result = sync(_unreachable(store), outbox)
     assert result.pushed == [] and result.failed == [] and result.busy == []

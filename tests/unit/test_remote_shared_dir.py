@@ -94,10 +94,10 @@ def test_a_checkpoint_pushed_on_one_node_is_pulled_whole_on_another(
     assert remote_b.fetch_metadata(found)["pod"] == "trainer-0"
     pulled = remote_b.pull(found)
     assert pulled.id == entry.id and pulled.state == "compacted"
-    other.verify(pulled, deep=True)
+    other.reader.verify(pulled, deep=True)
     a, b = tmp_path / "a", tmp_path / "b"
-    store.extract_layer(store.get(entry.id), "criu", str(a))
-    other.extract_layer(pulled, "criu", str(b))
+    store.reader.extract_layer(store.catalog.get(entry.id), "criu", str(a))
+    other.reader.extract_layer(pulled, "criu", str(b))
     match, mismatch, errors = filecmp.cmpfiles(a, b, sorted(_files(b"")), shallow=False)
     assert (mismatch, errors) == ([], []) and len(match) == 3
     assert staging_dirs(other) == []
@@ -203,7 +203,7 @@ def test_a_corrupt_blob_fails_the_pull_and_leaves_nothing(
     other = open_store(tmp_path / "store-b")
     with pytest.raises(DataLoss, match="damaged"):
         _node(other, shared).pull(pushed)
-    assert other.list() == [] and staging_dirs(other) == []
+    assert other.catalog.list() == [] and staging_dirs(other) == []
     assert not os.path.exists(os.path.join(other.root, "raw", entry.id))
 
 
@@ -223,7 +223,7 @@ def test_a_manifest_announcing_a_huge_blob_is_refused_before_any_read(
     puller = _node(other, shared)
     with pytest.raises(DataLoss, match="announces"):
         puller.pull(pushed)
-    assert _dir(puller).pulled == [] and other.list() == []
+    assert _dir(puller).pulled == [] and other.catalog.list() == []
 
 
 def test_a_namespace_never_gets_another_namespaces_checkpoint(

@@ -107,13 +107,17 @@ def test_restores_the_second_of_three_not_the_newest(tmp_path: Path) -> None:
         )  # fmt: skip
         assert len(env.fake.calls("restore")) == 1
         # Recorded in the store, for `cedana checkpoints inspect`.
-        (record,) = env.store.restores(second)
+        (record,) = env.store.restore_records.restores(second)
         assert (record["containerId"], record["label"], record["byHand"]) == ("c1", LABEL, True)
         assert record["restoredAt"].endswith("Z")
-        assert env.store.restores(third) == env.store.restores(first) == []
+        assert (
+            env.store.restore_records.restores(third)
+            == env.store.restore_records.restores(first)
+            == []
+        )
         # Later checkpoints of the restored container carry its label as usual.
         later = await env.cedana_checkpoint("c1", leave_running=True)
-        assert env.store.get(later.checkpoint_id).label == LABEL
+        assert env.store.catalog.get(later.checkpoint_id).label == LABEL
 
     TaskWorld(tmp_path).run(body)
 
@@ -146,7 +150,7 @@ def test_with_enable_and_no_label_restores_and_checkpoints_under_the_container_n
         await counter_reaches(env, "c1", "21")
         assert outcome_of(env, "c1").checkpoint_id == second
         later = await env.cedana_checkpoint("c1", leave_running=True)
-        assert env.store.get(later.checkpoint_id).label == "c1"
+        assert env.store.catalog.get(later.checkpoint_id).label == "c1"
 
     TaskWorld(tmp_path).run(body)
 
@@ -195,7 +199,7 @@ def test_an_ambiguous_prefix_is_refused_with_the_matches(
 def test_a_damaged_checkpoint_is_refused_not_replaced_by_another(tmp_path: Path) -> None:
     async def body(env: TaskEnv) -> None:
         _, second, _ = await three_checkpoints(env)
-        entry = env.store.get(second)
+        entry = env.store.catalog.get(second)
         blob = Path(env.config.store_path, "blobs", "sha256", entry.layers[0].digest.split(":")[1])
         blob.write_bytes(blob.read_bytes()[:-1])
         message = await refused(env, "c1", DataLoss, env_vars=[f"CEDANA_RESTORE={second}"])
@@ -216,7 +220,7 @@ def test_a_failing_restore_fails_the_start_without_trying_another(tmp_path: Path
         assert len(env.fake.calls("restore")) == 1
         assert env.fake.live_pids("c1") == []
         assert outcome_of(env, "c1").outcome == "failed"
-        assert env.store.restores(second) == []
+        assert env.store.restore_records.restores(second) == []
 
     TaskWorld(tmp_path).run(body)
 

@@ -38,21 +38,24 @@ def test_matching_finds_by_id_or_prefix_in_its_scope_only(tmp_path: Path) -> Non
     store = make_store(tmp_path)
     here = publish(store, "app", scope="ns")
     there = publish(store, "app", scope="other")
-    assert [e.id for e in store.matching("ns", here.id)] == [here.id]
-    assert [e.id for e in store.matching("ns", here.id[:20])] == [here.id]
-    assert store.matching("ns", there.id) == []  # another scope's id: not there at all
-    assert store.matching("ns", "") == []
+    assert [e.id for e in store.reader.matching("ns", here.id)] == [here.id]
+    assert [e.id for e in store.reader.matching("ns", here.id[:20])] == [here.id]
+    assert store.reader.matching("ns", there.id) == []  # another scope's id: not there at all
+    assert store.reader.matching("ns", "") == []
     publish(store, "b", scope="ns")
-    assert len(store.matching("ns", here.id[:4])) == 2  # the year: both
+    assert len(store.reader.matching("ns", here.id[:4])) == 2  # the year: both
 
 
 def test_records_round_trip_private_and_oldest_first(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     entry = publish(store)
-    assert store.restores(entry.id) == []
-    store.record_restore(entry.id, record(1))
-    store.record_restore(entry.id, record(2))
-    assert [r["containerId"] for r in store.restores(entry.id)] == ["task-1", "task-2"]
+    assert store.restore_records.restores(entry.id) == []
+    store.restore_records.record_restore(entry.id, record(1))
+    store.restore_records.record_restore(entry.id, record(2))
+    assert [r["containerId"] for r in store.restore_records.restores(entry.id)] == [
+        "task-1",
+        "task-2",
+    ]
     assert stat.S_IMODE(records_dir(store).stat().st_mode) == 0o700
     assert stat.S_IMODE((records_dir(store) / f"{entry.id}.jsonl").stat().st_mode) == 0o600
 
@@ -63,11 +66,11 @@ def test_records_stay_bounded_and_keep_the_newest(tmp_path: Path) -> None:
     line = len(json.dumps(record(0), sort_keys=True)) + 1
     written = 3 * RECORD_FILE_MAX // line
     for n in range(written):
-        store.record_restore(entry.id, record(n))
+        store.restore_records.record_restore(entry.id, record(n))
     files = list(records_dir(store).iterdir())
     assert sorted(f.name for f in files) == [f"{entry.id}.jsonl", f"{entry.id}.jsonl.old"]
     assert all(f.stat().st_size <= RECORD_FILE_MAX for f in files)
-    kept = store.restores(entry.id)
+    kept = store.restore_records.restores(entry.id)
     assert RECORD_FILE_MAX // line <= len(kept) < written
     assert kept[-1]["containerId"] == f"task-{written - 1}"
 
@@ -75,11 +78,13 @@ def test_records_stay_bounded_and_keep_the_newest(tmp_path: Path) -> None:
 def test_hostile_record_values_are_cut_and_a_torn_line_is_skipped(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     entry = publish(store)
-    store.record_restore(entry.id, {**record(1), "pod": "p" * 10_000, "node": ["x"]})
+    store.restore_records.record_restore(
+        entry.id, {**record(1), "pod": "p" * 10_000, "node": ["x"]}
+    )
     with open(records_dir(store) / f"{entry.id}.jsonl", "ab") as f:
         f.write(b'{"containerId": "torn')  # a crash mid-write
-    store.record_restore(entry.id, record(2))
-    first, second = store.restores(entry.id)
+    store.restore_records.record_restore(entry.id, record(2))
+    first, second = store.restore_records.restores(entry.id)
     assert (len(first["pod"]), first["node"]) == (256, "['x']")
     assert second["containerId"] == "task-2"
 
@@ -92,7 +97,7 @@ def test_a_planted_symlink_is_refused_and_its_target_untouched(tmp_path: Path) -
     records_dir(store).mkdir(mode=0o700)
     (records_dir(store) / f"{entry.id}.jsonl").symlink_to(target)
     with pytest.raises(errors.DataLoss, match="symbolic link"):
-        store.record_restore(entry.id, record(1))
+        store.restore_records.record_restore(entry.id, record(1))
     assert target.read_text() == "keep\n"
 
 
@@ -100,17 +105,17 @@ def test_a_bad_id_is_refused(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     for bad in ("../index.json", "x", ""):
         with pytest.raises(errors.InvalidArgument):
-            store.record_restore(bad, record(1))
+            store.restore_records.record_restore(bad, record(1))
         with pytest.raises(errors.InvalidArgument):
-            store.restores(bad)
+            store.restore_records.restores(bad)
 
 
 def test_records_go_with_their_checkpoint(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     gone, kept = publish(store, "a"), publish(store, "b")
-    store.record_restore(gone.id, record(1))
-    store.record_restore(kept.id, record(2))
-    store.remove(gone.id)
+    store.restore_records.record_restore(gone.id, record(1))
+    store.restore_records.record_restore(kept.id, record(2))
+    store.maintenance.remove(gone.id)
     assert sorted(os.listdir(records_dir(store))) == [f"{kept.id}.jsonl"]
 
 
@@ -119,7 +124,7 @@ def test_list_and_inspect_show_how_to_restore_and_what_was_restored(
 ) -> None:
     store = make_store(tmp_path)
     entry = publish(store)
-    store.record_restore(entry.id, record(7))
+    store.restore_records.record_restore(entry.id, record(7))
     root = store.root
 
     assert admin.main(["checkpoints", "list", "--store", root, "--json"]) == 0

@@ -25,7 +25,7 @@ def _forged(env: TaskEnv, kind: str, checkpoint_id: str) -> Forged:
     """A copy of ``checkpoint_id`` an hour newer: its CRIU layer's tar a zstd bomb,
     refused at the pull (which unpacks that tar into the raw-image cache) or, with no
     cache to build, when the restore extracts it; or whole, with images CRIU refuses."""
-    entry = env.store.get(checkpoint_id)
+    entry = env.store.catalog.get(checkpoint_id)
     assert entry.state == "compacted"
     newer = datetime.fromisoformat(entry.created) + timedelta(hours=1)
     if kind == "bad-images":
@@ -61,7 +61,7 @@ def test_a_forged_newer_checkpoint_is_skipped_removed_and_tried_last_from_then_o
         # Not left in the store (before: it stayed, the newest there); the good ones stay.
         assert env.checkpoints_of(LABEL) == list(reversed(ids))
         assert not os.path.exists(os.path.join(env.store.root, "raw", forged.id))
-        record = env.store.failures()[forged.id]
+        record = env.store.failure_records.failures()[forged.id]
         assert record.tag == tag.tag and record.why, record
 
         await env.kill("c1", 9)

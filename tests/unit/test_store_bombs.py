@@ -88,13 +88,13 @@ from cedana_shim.checkpoint.store import Store, StoreConfig
 
 root, checkpoint_id, layer, dest = sys.argv[1:]
 store = Store(StoreConfig(root=root, cache_raw=False))
-entry = store.get(checkpoint_id)
-store.verify(entry)  # the digests are the forger's own: they check out
+entry = store.catalog.get(checkpoint_id)
+store.reader.verify(entry)  # the digests are the forger's own: they check out
 # Writing more than 1 MiB into any file fails (EFBIG) from here on.
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 try:
-    store.extract_layer(entry, layer, dest)
+    store.reader.extract_layer(entry, layer, dest)
 except errors.ShimError as err:
     print(type(err).__name__, err)
 """
@@ -131,7 +131,7 @@ def test_a_bombed_layer_stream_is_cut_at_its_recorded_size(bomb: bytes, tmp_path
     received = 0
     with (
         pytest.raises(DataLoss, match=f"more than the {RECORDED_TAR_BYTES} bytes recorded"),
-        target.open_layer(adopted, "rootfs-diff") as stream,
+        target.reader.open_layer(adopted, "rootfs-diff") as stream,
     ):
         while data := stream.read(64 << 10):
             received += len(data)
@@ -161,7 +161,7 @@ def test_a_bombed_checkpoint_fails_its_pull_and_leaves_nothing(
     assert isinstance(candidate, RemoteCheckpoint)
     with pytest.raises(DataLoss, match=f"more than the {RECORDED_TAR_BYTES} bytes recorded"):
         puller.pull(candidate)
-    assert target.list() == [] and staging_dirs(target) == []
+    assert target.catalog.list() == [] and staging_dirs(target) == []
     assert not os.path.exists(os.path.join(target.root, "raw", forged.id))
     assert not os.listdir(os.path.join(target.root, "blobs", "sha256"))
 
@@ -181,13 +181,13 @@ def test_a_chunk_that_expands_past_its_raw_size_is_refused_while_it_streams(
     before too, by a check of its own: now by the same RawBound as every other path)."""
     store, entry = source
     chunk = entry.layer("criu").chunks[0]
-    manifest = parse_manifest(store.checkpoint_manifest(entry), "manifest")
-    with store.open_blob(manifest.config.digest, "config") as f:
+    manifest = parse_manifest(store.adopter.checkpoint_manifest(entry), "manifest")
+    with store.adopter.open_blob(manifest.config.digest, "config") as f:
         config = f.read()
     target = open_store(tmp_path / "b", chunk_size=16 << 10)
-    with target.begin_adoption(entry.id) as adoption:
+    with target.adopter.begin_adoption(entry.id) as adoption:
         adoption.write_blob(manifest.config.digest, len(config), _pieces(config))
         assert adoption.begin_cache(manifest, parse_config(config, "config", _ref(entry)))
         with pytest.raises(DataLoss, match=f"more than the {chunk.raw_size} bytes recorded"):
             adoption.write_blob(chunk.digest, len(bomb), _pieces(bomb))
-    assert target.list() == []
+    assert target.catalog.list() == []

@@ -57,7 +57,7 @@ def criu_files() -> dict[str, tuple[bytes, int]]:
 def commit(
     store: Store, files: dict[str, tuple[bytes, int]] | None = None, label: str = "app"
 ) -> Entry:
-    ing = store.begin(scope="ns", label=label, metadata={"container": "c1"})
+    ing = store.writer.begin(scope="ns", label=label, metadata={"container": "c1"})
     root = Path(ing.dir("criu"))
     for rel, (data, mode) in (files or criu_files()).items():
         path = root / rel
@@ -138,9 +138,9 @@ def test_page_images_become_chunks_and_extract_byte_for_byte(tmp_path: Path) -> 
     assert entry.to_json()["layers"][0]["chunks"] == 6
     assert entry.size > layer.size
 
-    store.verify(entry)
+    store.reader.verify(entry)
     dest = tmp_path / "out" / "images"
-    store.extract_layer(entry, "criu", str(dest))
+    store.reader.extract_layer(entry, "criu", str(dest))
     assert_tree(dest, criu_files())
     assert sorted(os.listdir(dest.parent)) == ["images"]
 
@@ -148,7 +148,7 @@ def test_page_images_become_chunks_and_extract_byte_for_byte(tmp_path: Path) -> 
 def test_open_layer_streams_the_whole_layer_as_one_tar(tmp_path: Path) -> None:
     store = chunked_store(tmp_path)
     entry = commit(store)
-    with store.open_layer(entry, "criu") as stream:
+    with store.reader.open_layer(entry, "criu") as stream:
         data = stream.read()
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
         got = {
@@ -203,10 +203,10 @@ def test_a_second_checkpoint_writes_only_the_chunks_that_changed(tmp_path: Path)
     for c in new:
         if c.digest in inodes:
             assert blob(store, c.digest).stat().st_ino == inodes[c.digest]
-    store.verify(first)
-    store.verify(second)
+    store.reader.verify(first)
+    store.reader.verify(second)
     dest = tmp_path / "second"
-    store.extract_layer(second, "criu", str(dest))
+    store.reader.extract_layer(second, "criu", str(dest))
     assert (dest / "pages-1.img").read_bytes() == bytes(data)
 
 
@@ -217,9 +217,9 @@ def test_identical_chunks_in_one_layer_are_one_blob(tmp_path: Path) -> None:
     entry = commit(store, files)
     digests = {c.digest for c in entry.layers[0].chunks}
     assert len(entry.layers[0].chunks) == 4 and len(digests) == 1
-    store.verify(entry)
+    store.reader.verify(entry)
     dest = tmp_path / "out"
-    store.extract_layer(entry, "criu", str(dest))
+    store.reader.extract_layer(entry, "criu", str(dest))
     assert (dest / "pages-1.img").read_bytes() == piece * 3
 
 
@@ -229,13 +229,13 @@ def test_a_shared_chunk_is_removed_only_when_no_checkpoint_needs_it(tmp_path: Pa
     second = commit(store)  # same files: every chunk shared
     shared = {c.digest for c in first.layers[0].chunks}
     assert shared == {c.digest for c in second.layers[0].chunks}
-    store.remove(first.id)
-    store.gc()
+    store.maintenance.remove(first.id)
+    store.maintenance.gc()
     assert blob_names(store) == referenced_blobs(store)
     assert all(blob(store, d).exists() for d in shared)
-    store.verify(second)
-    store.remove(second.id)
-    store.gc()
+    store.reader.verify(second)
+    store.maintenance.remove(second.id)
+    store.maintenance.gc()
     assert blob_names(store) == set()
 
 
@@ -249,17 +249,17 @@ def test_a_shared_chunk_swept_during_compaction_is_still_committed(tmp_path: Pat
 
     def on_step(step: str) -> None:
         if step == "layer-written":
-            other.remove(first.id)
+            other.maintenance.remove(first.id)
             assert not any(blob(other, d).exists() for d in shared)
 
     store = Store(
         StoreConfig(root=str(root), chunk_size=CHUNK, cache_raw=False, retain=0), step_hook=on_step
     )
     second = commit(store)
-    assert [e.id for e in store.list()] == [second.id]
+    assert [e.id for e in store.catalog.list()] == [second.id]
     assert [c.digest for c in second.layers[0].chunks] == shared
-    store.verify(second)
-    store.gc()
+    store.reader.verify(second)
+    store.maintenance.gc()
     assert blob_names(store) == referenced_blobs(store)
 
 
@@ -272,12 +272,12 @@ def test_a_damaged_blob_of_the_same_digest_is_not_reused_but_healed(tmp_path: Pa
     data[-5] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(errors.DataLoss, match="corrupt"):
-        store.verify(first)
+        store.reader.verify(first)
 
     second = commit(store)
     assert second.layers[0].chunks[0].digest == chunk.digest
-    store.verify(second)
-    store.verify(first)  # the new copy replaced the damaged one
+    store.reader.verify(second)
+    store.reader.verify(first)  # the new copy replaced the damaged one
 
 
 # --------------------------------------------------------------------------- damage
@@ -293,17 +293,17 @@ def test_a_corrupt_chunk_is_data_loss_naming_checkpoint_and_chunk(tmp_path: Path
     path.write_bytes(bytes(data))
 
     where = f"checkpoint {entry.id}: layer 'criu': chunk of pages-1.img at offset 8192 ({path})"
-    store.verify(entry, deep=False)  # same size: only the digest can tell
+    store.reader.verify(entry, deep=False)  # same size: only the digest can tell
     with pytest.raises(errors.DataLoss) as info:
-        store.verify(entry)
+        store.reader.verify(entry)
     assert str(info.value).startswith(f"{where}: blob is corrupt (sha256 is ")
     dest = tmp_path / "out"
     with pytest.raises(errors.DataLoss) as info:
-        store.extract_layer(entry, "criu", str(dest))
+        store.reader.extract_layer(entry, "criu", str(dest))
     assert str(info.value).startswith(f"{where}: blob is corrupt")
     assert not dest.exists() and os.listdir(tmp_path) == ["store"]
     with pytest.raises(errors.DataLoss, match="corrupt"):
-        store.open_layer(entry, "criu")
+        store.reader.open_layer(entry, "criu")
 
 
 def test_a_missing_or_truncated_chunk_is_data_loss(tmp_path: Path) -> None:
@@ -314,7 +314,7 @@ def test_a_missing_or_truncated_chunk_is_data_loss(tmp_path: Path) -> None:
     good = truncated.read_bytes()
     os.truncate(truncated, 3)
     with pytest.raises(errors.DataLoss) as info:
-        store.verify(entry, deep=False)
+        store.reader.verify(entry, deep=False)
     assert str(info.value) == (
         f"checkpoint {entry.id}: layer 'criu': chunk of pages-1.img at offset 0 ({truncated}): "
         f"blob is 3 bytes, expected {chunks[0].size} (truncated?)"
@@ -328,10 +328,10 @@ def test_a_missing_or_truncated_chunk_is_data_loss(tmp_path: Path) -> None:
         f"blob {missing} is missing"
     )
     with pytest.raises(errors.DataLoss) as info:
-        store.verify(entry, deep=False)
+        store.reader.verify(entry, deep=False)
     assert str(info.value) == where
     with pytest.raises(errors.DataLoss) as info:
-        store.extract_layer(entry, "criu", str(tmp_path / "out"))
+        store.reader.extract_layer(entry, "criu", str(tmp_path / "out"))
     assert str(info.value) == where
     assert os.listdir(tmp_path) == ["store"]
 
@@ -365,20 +365,20 @@ def test_checkpoints_from_before_chunks_still_work_beside_chunked_ones(tmp_path:
     new = commit(store, label="new")
     assert old.layers[0].chunks == () and len(new.layers[0].chunks) == 6
 
-    assert {e.id for e in store.list()} == {old.id, new.id}
+    assert {e.id for e in store.catalog.list()} == {old.id, new.id}
     for entry in (old, new):
-        store.verify(entry)
+        store.reader.verify(entry)
         dest = tmp_path / entry.id
-        store.extract_layer(entry, "criu", str(dest))
+        store.reader.extract_layer(entry, "criu", str(dest))
         assert_tree(dest, criu_files())
-    store.gc()
+    store.maintenance.gc()
     assert blob_names(store) == referenced_blobs(store)
 
     Path(store.root, "index.json").unlink()
-    report = make_store(tmp_path, chunk_size=CHUNK).last_repair
+    report = make_store(tmp_path, chunk_size=CHUNK).catalog.last_repair
     assert report is not None and {cid for cid, _ in report.recovered} == {old.id, new.id}
     assert report.dropped == ()
-    assert {e.id: e for e in store.list()} == {old.id: old, new.id: new}
+    assert {e.id: e for e in store.catalog.list()} == {old.id: old, new.id: new}
 
 
 def test_repair_drops_a_checkpoint_whose_chunk_is_gone(tmp_path: Path) -> None:
@@ -390,10 +390,10 @@ def test_repair_drops_a_checkpoint_whose_chunk_is_gone(tmp_path: Path) -> None:
     blob(store, sorted(only_bad)[0]).unlink()
     Path(store.root, "index.json").write_bytes(b"{damaged")
 
-    report = store.repair()
+    report = store.maintenance.repair()
     assert [cid for cid, _ in report.recovered] == [good.id]
     assert [what for what, _ in report.dropped] == [
         f"checkpoint {bad.id} (manifest {bad.manifest_digest})"
     ]
     assert "is missing" in report.dropped[0][1]
-    store.verify(store.get(good.id))
+    store.reader.verify(store.catalog.get(good.id))

@@ -76,7 +76,7 @@ def _publish_followed(tmp_path: Path, change: str) -> Prefix:
     """A dump's page image read early, then changed by ``change``, then published:
     the listed CRC is the file's as it is; the prefix read is returned."""
     store = make_store(tmp_path)
-    ing = store.begin(scope="ns", label="app", metadata={"container": "c1"})
+    ing = store.writer.begin(scope="ns", label="app", metadata={"container": "c1"})
     images = Path(ing.dir("criu"))
     (images / "inventory.img").write_bytes(b"inv")
     sealer = ing.seal_early(str(images))
@@ -99,9 +99,9 @@ def _publish_followed(tmp_path: Path, change: str) -> Prefix:
         data = data[:PIECE]
         os.truncate(images / "pages-1.img", PIECE)
     ing.add_dir_layer("criu", str(images), MEDIA_TYPE_CRIU)
-    entry = store.publish(ing)
-    store.verify(entry)  # every CRC as listed matches the files as they are
-    files = store._file_list(entry, "criu")
+    entry = store.writer.publish(ing)
+    store.reader.verify(entry)  # every CRC as listed matches the files as they are
+    files = store.catalog.file_list(entry, "criu")
     assert files is not None
     (listed,) = [f for f in files.files if f.path == "pages-1.img"]
     assert (listed.size, listed.crc32) == (len(data), zlib.crc32(data))
@@ -228,7 +228,7 @@ def test_a_writeback_that_cannot_start_fails_the_publish(
 
     monkeypatch.setattr(early_seal, "start_writeback", full)
     store = make_store(tmp_path)
-    ing = store.begin(scope="ns", label="app", metadata={"container": "c1"})
+    ing = store.writer.begin(scope="ns", label="app", metadata={"container": "c1"})
     images = Path(ing.dir("criu"))
     (images / "pages-1.img").write_bytes(os.urandom(PIECE))
     sealer = ing.seal_early(str(images))
@@ -239,5 +239,5 @@ def test_a_writeback_that_cannot_start_fails_the_publish(
     sealer.stop()
     ing.add_dir_layer("criu", str(images), MEDIA_TYPE_CRIU)
     with pytest.raises(errors.ResourceExhausted, match="No space left"):
-        store.publish(ing)
-    assert store.list() == []
+        store.writer.publish(ing)
+    assert store.catalog.list() == []

@@ -39,14 +39,14 @@ def test_publish_makes_a_raw_checkpoint_a_fresh_store_lists_and_verifies(tmp_pat
     ing = stage(store, diff=DIFF)
     images = Path(ing.dir("criu"))
     staged_inode = (images / "pages-1.img").stat().st_ino
-    entry = store.publish(ing)
+    entry = store.writer.publish(ing)
     assert not os.path.exists(ing.path)
     assert os.listdir(Path(store.root, "ingest")) == []
 
     fresh = Store(StoreConfig(root=store.root))
-    (listed,) = fresh.list()
+    (listed,) = fresh.catalog.list()
     assert listed == entry and listed.state == "raw"
-    fresh.verify(listed)
+    fresh.reader.verify(listed)
     assert [(x.name, x.media_type) for x in listed.layers] == [
         ("criu", MEDIA_TYPE_FILE_LIST),
         ("rootfs-diff", MEDIA_TYPE_FILE_LIST),
@@ -75,35 +75,38 @@ def test_a_raw_checkpoint_reads_like_a_compacted_one(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     entry = publish(store, diff=DIFF)
     dest = tmp_path / "images"
-    store.extract_layer(entry, "criu", str(dest))
+    store.reader.extract_layer(entry, "criu", str(dest))
     for name, data in CRIU_FILES.items():
         assert (dest / name).read_bytes() == data
         assert stat.S_IMODE((dest / name).stat().st_mode) == 0o644, "the recorded mode"
-    with store.open_layer(entry, "rootfs-diff") as stream:
+    with store.reader.open_layer(entry, "rootfs-diff") as stream:
         assert stream.read() == DIFF
-    with store.open_layer(entry, "criu") as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+    with (
+        store.reader.open_layer(entry, "criu") as stream,
+        tarfile.open(fileobj=stream, mode="r|") as tar,
+    ):
         got = {m.name: tar.extractfile(m).read() for m in tar if m.isreg()}  # type: ignore[union-attr]
     assert got == CRIU_FILES
     diff_dir = tmp_path / "diff"
-    store.extract_layer(entry, "rootfs-diff", str(diff_dir))
+    store.reader.extract_layer(entry, "rootfs-diff", str(diff_dir))
     assert (diff_dir / "etc" / "hosts").read_bytes() == b"127.0.0.1 x\n"
 
 
 def test_layer_source_is_the_open_raw_tar_and_outlives_compaction(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     entry = publish(store, diff=DIFF)
-    assert store.layer_source(entry, "criu") is None  # a directory, not a tar
-    source = store.layer_source(entry, "rootfs-diff")
+    assert store.reader.layer_source(entry, "criu") is None  # a directory, not a tar
+    source = store.reader.layer_source(entry, "rootfs-diff")
     assert source is not None
     with source:
         assert source.seekable() and source.read(512) == DIFF[:512]
-        compacted = store.compact(entry.id)
+        compacted = store.compactor.compact(entry.id)
         assert compacted is not None
         assert not Path(store.root, "raw", entry.id, "rootfs-diff").exists()
         source.seek(0)
         assert source.read() == DIFF  # open: the deleted file is still readable
-    assert store.layer_source(entry, "rootfs-diff") is None  # compressed now
-    with store.open_layer(entry, "rootfs-diff") as stream:  # the stale raw entry still works
+    assert store.reader.layer_source(entry, "rootfs-diff") is None  # compressed now
+    with store.reader.open_layer(entry, "rootfs-diff") as stream:  # the stale raw entry still works
         assert stream.read() == DIFF
 
 
@@ -114,12 +117,12 @@ def test_a_changed_raw_tar_is_refused(tmp_path: Path) -> None:
     data = bytearray(tar.read_bytes())
     data[700] ^= 1
     tar.write_bytes(bytes(data))
-    for call in (store.layer_source, store.open_layer):
+    for call in (store.reader.layer_source, store.reader.open_layer):
         with pytest.raises(errors.DataLoss, match=r"layer\.tar does not match its file list"):
             call(entry, "rootfs-diff")
     with pytest.raises(errors.DataLoss, match="CRC-32"):
-        store.verify(entry)
-    store.verify(entry, deep=False)  # same size: only the CRC can tell
+        store.reader.verify(entry)
+    store.reader.verify(entry, deep=False)  # same size: only the CRC can tell
 
 
 def test_compaction_swaps_the_state_keeping_id_created_and_position(tmp_path: Path) -> None:
@@ -127,7 +130,7 @@ def test_compaction_swaps_the_state_keeping_id_created_and_position(tmp_path: Pa
     entries = [publish(store) for _ in range(3)]
     before = index_manifests(store)
     middle = entries[1]
-    compacted = store.compact(middle.id)
+    compacted = store.compactor.compact(middle.id)
     assert compacted is not None and compacted.state == "compacted"
     assert (compacted.id, compacted.created) == (middle.id, middle.created)
     assert compacted.manifest_digest != middle.manifest_digest
@@ -136,28 +139,28 @@ def test_compaction_swaps_the_state_keeping_id_created_and_position(tmp_path: Pa
     assert [m["digest"] for m in after] == [
         before[0]["digest"], compacted.manifest_digest, before[2]["digest"],
     ]  # fmt: skip
-    assert [e.state for e in store.list()] == ["raw", "compacted", "raw"]
+    assert [e.state for e in store.catalog.list()] == ["raw", "compacted", "raw"]
     assert compacted.layer("criu").media_type == MEDIA_TYPE_CRIU
     assert compacted.metadata["rawFiles"] == middle.metadata["rawFiles"]
-    store.verify(compacted)
+    store.reader.verify(compacted)
     # Not the newest of its label: its raw files are gone, not kept as a cache.
     assert not Path(store.root, "raw", middle.id).exists() and compacted.raw_bytes == 0
     dest = tmp_path / "images"
-    store.extract_layer(middle, "criu", str(dest))  # the stale raw entry finds the blob
+    store.reader.extract_layer(middle, "criu", str(dest))  # the stale raw entry finds the blob
     assert {p.name: p.read_bytes() for p in dest.iterdir()} == CRIU_FILES
-    assert store.compact(middle.id) == compacted  # idempotent
+    assert store.compactor.compact(middle.id) == compacted  # idempotent
     assert blob_names(store) == referenced_blobs(store)
 
 
 def test_the_newest_keeps_its_criu_images_as_the_cache(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     entry = publish(store, diff=DIFF)
-    compacted = store.compact(entry.id)
+    compacted = store.compactor.compact(entry.id)
     assert compacted is not None
     raw = Path(store.root, "raw", entry.id)
     assert sorted(os.listdir(raw)) == ["criu", "criu.files.json"]  # no rootfs-diff copy
     assert compacted.raw_bytes == sum(len(d) for d in CRIU_FILES.values())
-    assert store.raw_images(compacted, "criu") == str(raw / "criu")
+    assert store.raw.raw_images(compacted, "criu") == str(raw / "criu")
 
 
 def test_compaction_refuses_a_crc_mismatch_and_leaves_it_raw(tmp_path: Path) -> None:
@@ -169,29 +172,29 @@ def test_compaction_refuses_a_crc_mismatch_and_leaves_it_raw(tmp_path: Path) -> 
     data[-1] ^= 0x80
     pages.write_bytes(bytes(data))
     with pytest.raises(errors.DataLoss, match=r"pages-1\.img does not match its file list"):
-        store.compact(entry.id)
-    assert store.get(entry.id) == entry and entry.state == "raw"
+        store.compactor.compact(entry.id)
+    assert store.catalog.get(entry.id) == entry and entry.state == "raw"
     assert os.listdir(Path(store.root, "ingest")) == [], "the work dir is gone"
-    store.gc()
+    store.maintenance.gc()
     assert blob_names(store) == blobs
 
 
 def test_compacting_a_checkpoint_removed_meanwhile_returns_none(tmp_path: Path) -> None:
     root = str(tmp_path / "store")
     entry = publish(Store(StoreConfig(root=root)))
-    Store(StoreConfig(root=root)).remove(entry.id)
-    assert Store(StoreConfig(root=root)).compact(entry.id) is None
+    Store(StoreConfig(root=root)).maintenance.remove(entry.id)
+    assert Store(StoreConfig(root=root)).compactor.compact(entry.id) is None
 
     second = publish(Store(StoreConfig(root=root)))
     other = Store(StoreConfig(root=root))
 
     def hook(step: str) -> None:
         if step == "layer-written":
-            other.remove(second.id)  # retention or prune while it compresses
+            other.maintenance.remove(second.id)  # retention or prune while it compresses
 
-    assert Store(StoreConfig(root=root), step_hook=hook).compact(second.id) is None
-    other.gc()
-    assert other.list() == [] and blob_names(other) == set()
+    assert Store(StoreConfig(root=root), step_hook=hook).compactor.compact(second.id) is None
+    other.maintenance.gc()
+    assert other.catalog.list() == [] and blob_names(other) == set()
     assert os.listdir(Path(root, "raw")) == [] and os.listdir(Path(root, "ingest")) == []
 
 
@@ -210,7 +213,7 @@ def test_two_compactions_of_one_checkpoint_never_overlap(tmp_path: Path) -> None
     results: list[object] = []
 
     def compact() -> None:
-        results.append(Store(StoreConfig(root=root), step_hook=hook).compact(entry.id))
+        results.append(Store(StoreConfig(root=root), step_hook=hook).compactor.compact(entry.id))
 
     threads = [threading.Thread(target=compact) for _ in range(2)]
     for t in threads:
@@ -218,7 +221,7 @@ def test_two_compactions_of_one_checkpoint_never_overlap(tmp_path: Path) -> None
     for t in threads:
         t.join()
     store = Store(StoreConfig(root=root))
-    (listed,) = store.list()
+    (listed,) = store.catalog.list()
     assert results == [listed, listed] and listed.state == "compacted"
     assert steps.count("layer-written") == 1, "only one of them compressed"
     assert blob_names(store) == referenced_blobs(store)
@@ -234,7 +237,7 @@ def test_compaction_runs_niced_in_a_thread_of_its_own(tmp_path: Path) -> None:
 
     store = Store(StoreConfig(root=str(tmp_path / "store")), step_hook=hook)
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    store.compact(publish(store).id)
+    store.compactor.compact(publish(store).id)
     ((tid, nice),) = seen
     assert tid != threading.get_native_id() and nice >= 10
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
@@ -243,12 +246,12 @@ def test_compaction_runs_niced_in_a_thread_of_its_own(tmp_path: Path) -> None:
 def test_retention_counts_raw_and_compacted_alike(tmp_path: Path) -> None:
     store = make_store(tmp_path, retain=2)
     first = publish(store)
-    store.compact(first.id)
+    store.compactor.compact(first.id)
     second = publish(store)
     third = publish(store)
-    assert [e.id for e in store.list()] == [third.id, second.id]
-    assert [e.state for e in store.list()] == ["raw", "raw"]
-    store.gc()
+    assert [e.id for e in store.catalog.list()] == [third.id, second.id]
+    assert [e.state for e in store.catalog.list()] == ["raw", "raw"]
+    store.maintenance.gc()
     assert sorted(os.listdir(Path(store.root, "raw"))) == sorted([second.id, third.id])
     assert blob_names(store) == referenced_blobs(store)
 
@@ -261,20 +264,20 @@ def test_files_staged_outside_the_ingest_are_copied_and_left_alone(tmp_path: Pat
     (outside / "pages-1.img").chmod(0o644)
     tar = tmp_path / "diff.tar"
     tar.write_bytes(DIFF)
-    ing = store.begin(scope="ns", label="app", metadata={})
+    ing = store.writer.begin(scope="ns", label="app", metadata={})
     ing.add_dir_layer("criu", str(outside), MEDIA_TYPE_CRIU)
     ing.add_file_layer("rootfs-diff", str(tar), MEDIA_TYPE_ROOTFS_DIFF)
-    entry = store.publish(ing)
+    entry = store.writer.publish(ing)
     assert stat.S_IMODE((outside / "pages-1.img").stat().st_mode) == 0o644
     assert tar.read_bytes() == DIFF
-    store.verify(entry)
+    store.reader.verify(entry)
     copy = Path(store.root, "raw", entry.id, "criu", "pages-1.img")
     assert copy.read_bytes() == b"p" * 1000 and stat.S_IMODE(copy.stat().st_mode) == 0o600
 
 
 def test_layers_that_overlap_in_the_ingest_are_refused(tmp_path: Path) -> None:
     store = make_store(tmp_path)
-    with store.begin(scope="ns", label="app", metadata={}) as ing:
+    with store.writer.begin(scope="ns", label="app", metadata={}) as ing:
         images = ing.dir("criu")
         Path(images, "sub").mkdir()
         ing.add_dir_layer("criu", images, MEDIA_TYPE_CRIU)
@@ -291,13 +294,13 @@ def test_a_layer_holding_a_symlink_or_fifo_is_refused_at_publish(tmp_path: Path)
         ing = stage(store)
         make(str(Path(ing.dir("criu"), "odd")))
         with pytest.raises(errors.InvalidArgument, match="not a regular file or directory"):
-            store.publish(ing)
-        assert store.list() == [] and os.listdir(Path(store.root, "ingest")) == []
+            store.writer.publish(ing)
+        assert store.catalog.list() == [] and os.listdir(Path(store.root, "ingest")) == []
 
 
 def test_spool_dir_is_private_and_on_the_store(tmp_path: Path) -> None:
     store = make_store(tmp_path)
-    spool = store.spool_dir()
+    spool = store.reader.spool_dir()
     assert spool == os.path.join(store.root, "spool")
     assert stat.S_IMODE(os.stat(spool).st_mode) == 0o700
     assert os.stat(spool).st_dev == os.stat(store.root).st_dev
@@ -311,16 +314,16 @@ def test_damage_names_a_disagreement_between_index_and_config(tmp_path: Path) ->
     (desc,) = index["manifests"]
     desc["annotations"]["org.opencontainers.image.created"] = "2020-01-01T00:00:00Z"
     index_path.write_text(json.dumps(index))
-    (listed,) = store.list()
+    (listed,) = store.catalog.list()
     assert listed.damage is not None and entry.id in listed.damage
     assert f"created is '{entry.created}' but index.json says '2020-01-01" in listed.damage
     desc["annotations"]["org.opencontainers.image.created"] = entry.created
     desc["annotations"]["cedana.ai/checkpoint.label"] = "other"
     index_path.write_text(json.dumps(index))
-    (listed,) = store.list()
+    (listed,) = store.catalog.list()
     assert "label is 'app' but index.json says 'other'" in (listed.damage or "")
     with pytest.raises(errors.DataLoss, match="label is 'app'"):
-        store.verify(listed)
+        store.reader.verify(listed)
 
 
 def test_the_file_lists_are_what_the_manifest_references_while_raw(tmp_path: Path) -> None:
@@ -341,17 +344,20 @@ def test_open_layer_of_a_raw_dir_layer_reports_damage_at_the_end(tmp_path: Path)
     data = bytearray(pages.read_bytes())
     data[5] ^= 1
     pages.write_bytes(bytes(data))
-    with store.open_layer(entry, "criu") as stream, pytest.raises(errors.DataLoss, match="CRC"):
+    with (
+        store.reader.open_layer(entry, "criu") as stream,
+        pytest.raises(errors.DataLoss, match="CRC"),
+    ):
         io.BytesIO(stream.read())
 
 
 def test_gc_collects_spool_files_left_behind_only_when_old(tmp_path: Path) -> None:
     store = make_store(tmp_path)
-    spool = Path(store.spool_dir())
+    spool = Path(store.reader.spool_dir())
     (spool / "old").write_bytes(b"o" * 100)
     os.utime(spool / "old", (0, 0))
     (spool / "fresh").write_bytes(b"f" * 10)
-    assert store.gc() == 100
+    assert store.maintenance.gc() == 100
     assert os.listdir(spool) == ["fresh"]
 
 
@@ -361,5 +367,5 @@ def test_compacting_a_damaged_checkpoint_is_data_loss(tmp_path: Path) -> None:
     config = json.loads(read_blob(store, entry.manifest_digest))["config"]["digest"]
     os.unlink(Path(store.root, "blobs", "sha256", config.removeprefix("sha256:")))
     with pytest.raises(errors.DataLoss, match=rf"checkpoint {entry.id} is damaged: .*missing"):
-        store.compact(entry.id)
-    assert store.pending_compaction() == []
+        store.compactor.compact(entry.id)
+    assert store.compactor.pending_compaction() == []

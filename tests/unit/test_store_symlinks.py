@@ -33,9 +33,9 @@ def test_a_symlinked_cache_dir_is_unlinked_not_followed(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     target, before = outside_dir(tmp_path)
     os.symlink(target, Path(store.root, "cache"))
-    entry = store.compact(publish(store).id)
+    entry = store.compactor.compact(publish(store).id)
     assert entry is not None
-    store.gc()
+    store.maintenance.gc()
     assert contents(target) == before
     assert not os.path.lexists(Path(store.root, "cache"))
 
@@ -45,7 +45,7 @@ def test_the_previous_formats_cache_dir_is_garbage(tmp_path: Path) -> None:
     old = Path(store.root, "cache", "20200101T000000Z-deadbeef", "criu")
     old.mkdir(parents=True)
     (old / "pages-1.img").write_bytes(b"p" * 1000)
-    assert store.gc() == 1000
+    assert store.maintenance.gc() == 1000
     assert not Path(store.root, "cache").exists()
 
 
@@ -68,34 +68,34 @@ def test_symlinked_raw_images_are_refused(tmp_path: Path, where: str) -> None:
     shutil.rmtree(planted) if planted.is_dir() else planted.unlink()
     os.symlink(target, planted)
 
-    assert store.raw_images(entry, "criu") is None
+    assert store.raw.raw_images(entry, "criu") is None
     checks: list[Callable[[], object]] = [
-        lambda: store.verify_raw(entry, "criu"),
-        lambda: store.verify(entry, deep=False),
-        lambda: store.compact(entry.id),
-        lambda: store.extract_layer(entry, "criu", str(tmp_path / "out")),
+        lambda: store.raw.verify_raw(entry, "criu"),
+        lambda: store.reader.verify(entry, deep=False),
+        lambda: store.compactor.compact(entry.id),
+        lambda: store.reader.extract_layer(entry, "criu", str(tmp_path / "out")),
     ]
     for check in checks:
         with pytest.raises(errors.DataLoss, match="symbolic link"):
             check()
-    assert store.get(entry.id).state == "raw"
-    store.gc()
+    assert store.catalog.get(entry.id).state == "raw"
+    store.maintenance.gc()
     after = contents(tmp_path / "copy") if target.is_dir() else {"": target.read_bytes()}
     assert after == before, "nothing outside the store was touched"
 
 
 def test_a_symlinked_cache_layer_of_a_compacted_checkpoint_is_not_used(tmp_path: Path) -> None:
     store = make_store(tmp_path)
-    entry = store.compact(publish(store).id)
+    entry = store.compactor.compact(publish(store).id)
     assert entry is not None
     cached = Path(store.root, "raw", entry.id, "criu")
     shutil.copytree(cached, tmp_path / "copy")
     shutil.rmtree(cached)
     os.symlink(tmp_path / "copy", cached)
-    assert store.raw_images(entry, "criu") is None
+    assert store.raw.raw_images(entry, "criu") is None
     with pytest.raises(errors.DataLoss, match="symbolic link"):
-        store.verify_raw(entry, "criu")
-    store.verify(entry)  # the blob is untouched and good
+        store.raw.verify_raw(entry, "criu")
+    store.reader.verify(entry)  # the blob is untouched and good
 
 
 @pytest.mark.parametrize("name", ["ingest", "blobs", "raw"])
@@ -116,9 +116,9 @@ def test_the_store_root_itself_may_be_a_symlink(tmp_path: Path) -> None:
     link = tmp_path / "store"
     os.symlink(disk, link)
     store = Store(StoreConfig(root=str(link)))
-    entry = store.compact(publish(store).id)
+    entry = store.compactor.compact(publish(store).id)
     assert entry is not None
-    store.verify(entry)
+    store.reader.verify(entry)
     assert (disk / "index.json").exists()
 
 
@@ -126,26 +126,26 @@ def test_symlinks_planted_in_ingest_are_refused_or_unlinked(tmp_path: Path) -> N
     store = make_store(tmp_path)
     target, before = outside_dir(tmp_path)
     os.symlink(target, Path(store.root, "ingest", "20200101T000000Z-deadbeef"))
-    store.gc()
+    store.maintenance.gc()
     assert not os.path.lexists(Path(store.root, "ingest", "20200101T000000Z-deadbeef"))
 
-    ing = store.begin(scope="ns", label="app", metadata={})
+    ing = store.writer.begin(scope="ns", label="app", metadata={})
     os.symlink(target, Path(ing.path, "dirs"))
     with pytest.raises(errors.DataLoss, match=r"dirs is a symbolic link"):
         ing.dir("criu")
-    store.abort(ing)
-    ing = store.begin(scope="ns", label="app", metadata={})
+    store.writer.abort(ing)
+    ing = store.writer.begin(scope="ns", label="app", metadata={})
     Path(ing.path, "dirs").mkdir()
     os.symlink(target, Path(ing.path, "dirs", "criu"))
     with pytest.raises(errors.DataLoss, match=r"criu is a symbolic link"):
         ing.dir("criu")
-    store.abort(ing)
+    store.writer.abort(ing)
     assert contents(target) == before, "CRIU's dir was never made outside the store"
 
 
 def test_a_symlinked_blob_is_refused_and_left_alone(tmp_path: Path) -> None:
     store = make_store(tmp_path)
-    entry = store.compact(publish(store).id)
+    entry = store.compactor.compact(publish(store).id)
     assert entry is not None
     blob = Path(store.root, "blobs", "sha256", entry.layers[0].digest.removeprefix("sha256:"))
     copy = tmp_path / "blob-copy"
@@ -153,10 +153,10 @@ def test_a_symlinked_blob_is_refused_and_left_alone(tmp_path: Path) -> None:
     blob.unlink()
     os.symlink(copy, blob)
     with pytest.raises(errors.DataLoss, match="symbolic link"):
-        store.verify(entry)
+        store.reader.verify(entry)
     with pytest.raises(errors.DataLoss, match="symbolic link"):
-        store.open_layer(entry, "criu")
-    store.gc()
+        store.reader.open_layer(entry, "criu")
+    store.maintenance.gc()
     assert os.path.islink(blob) and copy.exists()
 
 
@@ -170,4 +170,4 @@ def test_ingest_staging_dirs_are_private(tmp_path: Path) -> None:
     for path in (Path(ing.path), Path(ing.path, "dirs"), Path(ing.dir("criu"))):
         assert path.stat().st_mode & 0o777 == 0o700, path
     assert sorted(p.name for p in Path(ing.dir("criu")).iterdir()) == sorted(CRIU_FILES)
-    store.abort(ing)
+    store.writer.abort(ing)

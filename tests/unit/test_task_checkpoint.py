@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from cedana_shim.api.containerd.events import task_pb2 as ev
 from cedana_shim.api.containerd.task.v2 import shim_pb2 as pb
 from cedana_shim.api.containerd.types import task_pb2 as types
 from cedana_shim.bundle_state import BundleState, read_stopping
-from cedana_shim.checkpoint.store import Entry, Ingest, Store
+from cedana_shim.checkpoint.store import Entry, Ingest, Store, StoreConfig, Writer
 from cedana_shim.errors import Aborted, Code, FailedPrecondition, ResourceExhausted, ShimError
 from cedana_shim.hooks import Stage
 from cedana_shim.lifecycle.process import Process, State
@@ -32,11 +33,22 @@ from task_support import COUNTER, NAMESPACE, SLEEP, TaskEnv, TaskWorld, ctx, tra
 STOP_STAGES = [Stage.PRECHECKPOINT, Stage.POSTCHECKPOINT]
 
 
-class FullStore(Store):
-    """A store whose disk is full when a checkpoint is published."""
+def store_with(writer: type[Writer]) -> Callable[[StoreConfig], Store]:
+    """A store whose checkpoints ``writer`` publishes."""
+
+    def build(config: StoreConfig) -> Store:
+        store = Store(config)
+        store.writer = writer(store.core, store.catalog, store.failure_records)
+        return store
+
+    return build
+
+
+class FullWriter(Writer):
+    """The writer of a store whose disk is full when a checkpoint is published."""
 
     def publish(self, ingest: Ingest) -> Entry:
-        raise ResourceExhausted(f"checkpoint store {self.root} is full (the test says so)")
+        raise ResourceExhausted(f"checkpoint store {self._core.root} is full (the test says so)")
 
 
 def _record_init_states(env: TaskEnv, container_id: str) -> list[tuple[Stage, State]]:
@@ -126,7 +138,7 @@ def test_failing_dump_delivers_the_signal(tmp_path: Path) -> None:
 
 def test_failing_publish_thaws_and_delivers_the_signal(tmp_path: Path) -> None:
     world = TaskWorld(tmp_path)
-    world.store_type = FullStore
+    world.store_type = store_with(FullWriter)
     _no_checkpoint_then_the_signal(world, "is full")
 
 
@@ -148,7 +160,7 @@ def test_sigkill_abandons_a_dump_in_progress(tmp_path: Path) -> None:
         assert "abandoned" in failed.error and "c1" in failed.error, failed.error
         assert (await env.exit_event("c1")).pid == pid
         assert env.fake.live_pids() == []
-        assert env.store.in_flight(NAMESPACE, "web") == []  # its staging is gone too
+        assert env.store.reader.in_flight(NAMESPACE, "web") == []  # its staging is gone too
 
     world.run(body)
 
@@ -174,7 +186,7 @@ def test_delete_waits_for_a_stop_in_flight(tmp_path: Path, pid_namespace: bool) 
     world.run(body)
 
 
-class KillingStore(Store):
+class KillingWriter(Writer):
     """Publishing takes long enough for the application to be killed from outside
     (the OOM killer, say) and its exit recorded before the checkpoint is durable."""
 
@@ -191,12 +203,12 @@ class KillingStore(Store):
 
 def test_exit_from_outside_while_a_stop_publishes(tmp_path: Path) -> None:
     world = TaskWorld(tmp_path)
-    world.store_type = KillingStore
+    world.store_type = store_with(KillingWriter)
 
     async def body(env: TaskEnv) -> None:
         pid = await env.run("c1", SLEEP, label="web")
-        assert isinstance(env.store, KillingStore)
-        env.store.victim = env.container("c1").init
+        assert isinstance(env.store.writer, KillingWriter)
+        env.store.writer.victim = env.container("c1").init
         await env.kill("c1", signal.SIGTERM)
         # Killed before its checkpoint was durable: the exit is its own.
         assert (await env.wait("c1")).exit_status == 137
@@ -337,7 +349,7 @@ def test_sigkill_abandons_a_manual_checkpoint_with_a_clear_error(tmp_path: Path)
         with pytest.raises(Aborted, match="c1"):
             await checkpointing
         assert env.checkpoints_of("web") == []
-        assert env.store.in_flight(NAMESPACE, "web") == []
+        assert env.store.reader.in_flight(NAMESPACE, "web") == []
 
     world.run(body)
 

@@ -125,7 +125,7 @@ def test_raw_pages_failing_their_check_while_served_give_the_task_up_for_the_blo
 ) -> None:
     async def body(env: TaskEnv) -> None:
         _, newer = await two_checkpoints(env)
-        raw = env.store.raw_images(env.store.get(newer), CRIU_LAYER)
+        raw = env.store.raw.raw_images(env.store.catalog.get(newer), CRIU_LAYER)
         assert raw is not None
         with open(os.path.join(raw, PAGES_IMAGE), "r+") as f:
             f.write("66")  # same size, other bytes: only the checksum can tell

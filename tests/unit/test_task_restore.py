@@ -106,7 +106,7 @@ def test_damaged_raw_images_are_discarded_for_the_blob_of_the_same_checkpoint(
 ) -> None:
     async def body(env: TaskEnv) -> None:
         _, newer = await two_checkpoints(env)
-        raw = env.store.raw_images(env.store.get(newer), CRIU_LAYER)
+        raw = env.store.raw.raw_images(env.store.catalog.get(newer), CRIU_LAYER)
         assert raw is not None  # the newest keeps its raw images
         with open(os.path.join(raw, PAGES_IMAGE), "r+") as f:
             f.write("66")  # same size, other bytes: only the checksum can tell
@@ -120,7 +120,7 @@ def test_damaged_raw_images_are_discarded_for_the_blob_of_the_same_checkpoint(
         assert (outcome.outcome, outcome.checkpoint_id) == ("restored", newer)
         assert f"{newer}: raw images discarded" in outcome.detail
         assert len(env.fake.calls("restore")) == 2
-        assert env.store.raw_images(env.store.get(newer), CRIU_LAYER) is None
+        assert env.store.raw.raw_images(env.store.catalog.get(newer), CRIU_LAYER) is None
 
     TaskWorld(tmp_path).run(body)
 

@@ -152,7 +152,7 @@ class Delivery:
         async def run() -> None:
             await asyncio.sleep(LEFTOVERS_DELAY)
             try:
-                pending = await asyncio.to_thread(self.store.pending_compaction)
+                pending = await asyncio.to_thread(self.store.compactor.pending_compaction)
             except (ShimError, OSError) as err:
                 log.warning("cannot list checkpoints to compact", extra={"error": str(err)})
                 return
@@ -247,7 +247,7 @@ class Delivery:
         outcome, error = "done", ""
         try:
             with clock.phase("compress"):
-                entry = await asyncio.to_thread(self.store.compact, checkpoint_id)
+                entry = await asyncio.to_thread(self.store.compactor.compact, checkpoint_id)
         except (ShimError, OSError) as err:
             # The raw checkpoint stays valid and restorable; compaction is retried by
             # the next daemon that finds it.
@@ -335,7 +335,7 @@ class Delivery:
     def _still_raw(self, checkpoint_id: str) -> bool:
         """Whether a checkpoint is still to compact (an unreadable store: let it say why)."""
         try:
-            return self.store.get(checkpoint_id).state == "raw"
+            return self.store.catalog.get(checkpoint_id).state == "raw"
         except NotFound:
             return False  # removed meanwhile
         except (ShimError, OSError):

@@ -113,7 +113,7 @@ def background_record(
     checkpoint says of itself is enough. Blocking (reads the store)."""
     if entry is None:
         with contextlib.suppress(ShimError, OSError):  # deleted meanwhile: counted all the same
-            entry = store.get(checkpoint_id)
+            entry = store.catalog.get(checkpoint_id)
     compacted = kind == oplog.COMPACTION and outcome == "done" and entry is not None
     return oplog.OpRecord(
         kind=kind,

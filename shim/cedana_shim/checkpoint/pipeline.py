@@ -157,7 +157,7 @@ class Pipeline:
         context = asyncio.get_running_loop().create_task(self._context(target))
         try:
             ingest = await asyncio.to_thread(
-                self.store.begin,
+                self.store.writer.begin,
                 scope=target.policy.scope,
                 label=target.policy.label,
                 metadata=self._metadata(target, request.reason),
@@ -238,7 +238,7 @@ class Pipeline:
             # Measured before the abort frees the staged images.
             error = sys.exc_info()[1]
             full = "" if isinstance(error, asyncio.CancelledError) else _store_full(self.store.root)
-            await asyncio.shield(asyncio.to_thread(self.store.abort, ingest))
+            await asyncio.shield(asyncio.to_thread(self.store.writer.abort, ingest))
             if full:
                 raise ResourceExhausted(
                     f"checkpoint of container {target.container_id} failed: the checkpoint "
@@ -320,8 +320,8 @@ class Pipeline:
         """Checkpoint ``parent``'s raw CRIU images, their CRC-32 check started now to
         run beside the dump; None when they are gone."""
         try:
-            entry = self.store.get(parent)
-            images = self.store.raw_images(entry, CRIU_LAYER)
+            entry = self.store.catalog.get(parent)
+            images = self.store.raw.raw_images(entry, CRIU_LAYER)
         except ShimError as err:
             images, why = None, str(err)
         else:
@@ -335,9 +335,9 @@ class Pipeline:
 
         def check() -> None:
             try:
-                self.store.verify_raw(entry, CRIU_LAYER)
+                self.store.raw.verify_raw(entry, CRIU_LAYER)
             except DataLoss:
-                self.store.discard_raw(entry)
+                self.store.raw.discard_raw(entry)
                 raise
 
         checked = asyncio.ensure_future(asyncio.to_thread(check))
@@ -407,13 +407,15 @@ class Pipeline:
         """Make the dump durable and visible (raw, fsynced, checksummed)."""
         try:
             with priority.foreground():
-                entry = await asyncio.shield(asyncio.to_thread(self.store.publish, dump.ingest))
+                entry = await asyncio.shield(
+                    asyncio.to_thread(self.store.writer.publish, dump.ingest)
+                )
             if dump.tracked is not None:
                 self.tracking.remember(*dump.tracked, entry.id)
             return entry
         except BaseException:
             with contextlib.suppress(Exception):
-                await asyncio.shield(asyncio.to_thread(self.store.abort, dump.ingest))
+                await asyncio.shield(asyncio.to_thread(self.store.writer.abort, dump.ingest))
             raise
 
     def _metadata(self, target: Target, reason: str) -> dict[str, Any]:

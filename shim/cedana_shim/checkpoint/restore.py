@@ -330,7 +330,7 @@ class RestoreSession:
         scope, ref = self.policy.scope, self.policy.restore
         with self.result.timing("list"):
             try:
-                local = await asyncio.to_thread(self.store.matching, scope, ref)
+                local = await asyncio.to_thread(self.store.reader.matching, scope, ref)
             except (ShimError, OSError) as err:
                 self.result.store_problem = f"checkpoint store unusable: {err}"
                 local = []
@@ -371,12 +371,12 @@ class RestoreSession:
         local: list[Entry] = []
         with self.result.timing("list"):
             try:
-                local = await asyncio.to_thread(self.store.candidates, scope, label)
+                local = await asyncio.to_thread(self.store.reader.candidates, scope, label)
             except (ShimError, OSError) as err:
                 # A damaged store must never keep a container from running.
                 self.result.store_problem = f"checkpoint store unusable: {err}"
             listed = await self._registry_listing(lambda remote: remote.candidates(scope, label))
-        failures = await asyncio.to_thread(self.store.failures)
+        failures = await asyncio.to_thread(self.store.failure_records.failures)
         return ranked(local, listed, failures)
 
     async def _wait_for_writers(self, scope: str, label: str) -> None:
@@ -389,7 +389,7 @@ class RestoreSession:
         remote_writers: list[str] = []
         while True:
             try:
-                writers = await asyncio.to_thread(self.store.in_flight, scope, label)
+                writers = await asyncio.to_thread(self.store.reader.in_flight, scope, label)
             except (ShimError, OSError):
                 writers = []
             here = self._writing_here(scope, label)
@@ -556,19 +556,19 @@ class RestoreSession:
             os.makedirs(work, mode=0o700)
             raw = None
             if entry.id not in self._raw_refused:
-                raw = self.store.raw_images(entry, CRIU_LAYER)
+                raw = self.store.raw.raw_images(entry, CRIU_LAYER)
             if raw is not None:
                 # Blobs present with their sizes now; the raw images' checksums are
                 # checked while CRIU restores (the restored tasks wait for both).
                 with self.result.timing("verify"):
-                    self.store.verify(entry, deep=False)
+                    self.store.reader.verify(entry, deep=False)
                 image_dir = raw
             else:
                 with self.result.timing("verify"):
-                    self.store.verify(entry)
+                    self.store.reader.verify(entry)
                 image_dir = os.path.join(work, "images")
                 with self.result.timing("unpack"):
-                    self.store.extract_layer(entry, CRIU_LAYER, image_dir)
+                    self.store.reader.extract_layer(entry, CRIU_LAYER, image_dir)
             with self.result.timing("unpack"):
                 self._apply_files(entry, host)
         except BaseException:
@@ -594,16 +594,16 @@ class RestoreSession:
         for name, dest, apply_layer in targets:
             if name not in names:
                 continue
-            raw_tar = self.store.layer_source(entry, name)
+            raw_tar = self.store.reader.layer_source(entry, name)
             if raw_tar is not None:
                 with raw_tar:  # seekable: applied in place, no spool
                     apply_layer(raw_tar, dest)
                 continue
-            with self.store.open_layer(entry, name) as stream:
+            with self.store.reader.open_layer(entry, name) as stream:
                 apply_layer(
                     stream,
                     dest,
-                    spool_dir=self.store.spool_dir(),
+                    spool_dir=self.store.reader.spool_dir(),
                     expected_bytes=entry.layer(name).raw_size,
                 )
 
@@ -685,8 +685,8 @@ class RestoreSession:
             "byHand": bool(policy.restore),
         }
         try:
-            self.store.record_restore(entry.id, record)
-            self.store.clear_failure(entry.id)
+            self.store.restore_records.record_restore(entry.id, record)
+            self.store.failure_records.clear_failure(entry.id)
         except (ShimError, OSError) as err:
             log.warning(
                 "cannot record the restore in the store",
@@ -698,9 +698,11 @@ class RestoreSession:
         from the store when this session pulled it. Blocking; logs, never raises."""
         pulled = self._pulled.pop(checkpoint_id, None)
         try:
-            self.store.record_failure(checkpoint_id, why, tag=pulled.tag if pulled else tag)
+            self.store.failure_records.record_failure(
+                checkpoint_id, why, tag=pulled.tag if pulled else tag
+            )
             if pulled is not None:
-                self.store.remove(checkpoint_id)
+                self.store.maintenance.remove(checkpoint_id)
                 log.info(
                     "removed a pulled checkpoint that failed; the registry's copy is tried "
                     "last from now on",
@@ -721,9 +723,9 @@ class RestoreSession:
     def _discard_raw(self, entry: Entry) -> Entry | None:
         """Drop bad raw images; the checkpoint again if it has a blob to try instead
         (it may have been compacted since it was planned)."""
-        self.store.discard_raw(entry)
+        self.store.raw.discard_raw(entry)
         try:
-            current = self.store.get(entry.id)
+            current = self.store.catalog.get(entry.id)
         except (ShimError, OSError):
             return None
         return current if current.state == "compacted" else None
@@ -835,13 +837,15 @@ class RestoreSession:
         try:
             if resumed is not None:
                 await asyncio.to_thread(
-                    self.store.verify_raw, plan.entry, CRIU_LAYER, only=_not_pages
+                    self.store.raw.verify_raw, plan.entry, CRIU_LAYER, only=_not_pages
                 )
                 criu_config.give_verdict(verdict, ok=True)
                 await resumed.wait()
-                await asyncio.to_thread(self.store.verify_raw, plan.entry, CRIU_LAYER, only=_pages)
+                await asyncio.to_thread(
+                    self.store.raw.verify_raw, plan.entry, CRIU_LAYER, only=_pages
+                )
                 return
-            await asyncio.to_thread(self.store.verify_raw, plan.entry, CRIU_LAYER)
+            await asyncio.to_thread(self.store.raw.verify_raw, plan.entry, CRIU_LAYER)
         except BaseException as err:
             with contextlib.suppress(OSError):
                 criu_config.give_verdict(verdict, ok=False)

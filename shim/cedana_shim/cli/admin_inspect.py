@@ -209,7 +209,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     verify_error: str | None = None
     if args.verify:
         try:
-            store.verify(entry)
+            store.reader.verify(entry)
         except errors.DataLoss as err:
             verify_error = str(err)
     if args.json:
@@ -233,7 +233,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _restores(store: Store, entry: Entry) -> list[dict[str, Any]]:
     """What was restored from ``entry``; unreadable records are said, not fatal."""
     try:
-        return store.restores(entry.id)
+        return store.restore_records.restores(entry.id)
     except (errors.ShimError, OSError) as err:
         sys.stderr.write(f"cedana: cannot read the restore records of {entry.id}: {err}\n")
         return []

@@ -95,7 +95,7 @@ def resolve_id(store: Store, text: str) -> str:
 
     if check_checkpoint_id(text) is None:
         return text
-    matches = [e.id for e in store.list() if text and e.id.startswith(text)]
+    matches = [e.id for e in store.catalog.list() if text and e.id.startswith(text)]
     if len(matches) == 1:
         return matches[0]
     if not matches:
@@ -110,7 +110,7 @@ def resolve_id(store: Store, text: str) -> str:
 def get_entry(store: Store, text: str) -> Entry:
     checkpoint_id = resolve_id(store, text)
     try:
-        return store.get(checkpoint_id)
+        return store.catalog.get(checkpoint_id)
     except errors.NotFound:
         raise CliError(f"checkpoint {checkpoint_id}: not found in {store.root}") from None
 
@@ -164,7 +164,7 @@ def quick_damage(store: Store, entry: Entry) -> str | None:
     if entry.damage is not None:
         return entry.damage
     try:
-        store.verify(entry, deep=False)
+        store.reader.verify(entry, deep=False)
     except errors.DataLoss as err:
         return str(err)
     return None
@@ -218,7 +218,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
         return cmd_list_remote(args)
     store = open_store(args)
-    entries = store.list(scope=args.namespace, label=args.label)
+    entries = store.catalog.list(scope=args.namespace, label=args.label)
     if args.quiet:
         sys.stdout.write("".join(f"{e.id}\n" for e in entries))
         return 0
@@ -247,7 +247,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     for text in args.ids:
         try:
             checkpoint_id = resolve_id(store, text)
-            store.remove(checkpoint_id)
+            store.maintenance.remove(checkpoint_id)
         except CliError as err:
             sys.stderr.write(f"cedana: {err}\n")
             status = 1
@@ -261,9 +261,9 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     store = open_store(args)
-    before = {e.id: e for e in store.list(scope=args.namespace, label=args.label)}
-    removed = store.prune(scope=args.namespace, label=args.label, keep=args.keep)
-    freed = store.gc() if args.gc else None
+    before = {e.id: e for e in store.catalog.list(scope=args.namespace, label=args.label)}
+    removed = store.maintenance.prune(scope=args.namespace, label=args.label, keep=args.keep)
+    freed = store.maintenance.gc() if args.gc else None
     if args.json:
         gone = [list_item(before[i]) if i in before else {"id": i} for i in removed]
         write_json({"removed": gone, "gcFreedBytes": freed})
@@ -313,9 +313,9 @@ def repair_text(report: RepairReport) -> str:
 def cmd_repair(args: argparse.Namespace) -> int:
     """Rebuild index.json from the blobs and raw files if it is missing or damaged."""
     store = open_store(args)
-    report = store.repair()
-    if not report.rebuilt and store.last_repair is not None:
-        report = store.last_repair  # a missing index is rebuilt as the store opens
+    report = store.maintenance.repair()
+    if not report.rebuilt and store.catalog.last_repair is not None:
+        report = store.catalog.last_repair  # a missing index is rebuilt as the store opens
     if args.json:
         write_json(report.to_json())
     else:

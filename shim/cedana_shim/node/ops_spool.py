@@ -124,7 +124,7 @@ class OpsObserver:
         if not os.path.isdir(store.root):
             return  # no checkpoint was ever taken on this node
         try:
-            entries = Store(store).list()
+            entries = Store(store).catalog.list()
             pending = Outbox(store.root).pending()
         except (ShimError, OSError) as err:
             log.warning("cannot read the checkpoint store %s: %s", store.root, err)

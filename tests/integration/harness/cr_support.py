@@ -270,7 +270,7 @@ def entries(root: Path, *, scope: str | None = None, label: str | None = None) -
     """Committed checkpoints (index.json members), newest first."""
     if not (root / "index.json").exists():
         return []
-    return open_store(root).list(scope=scope, label=label)
+    return open_store(root).catalog.list(scope=scope, label=label)
 
 
 def store_is_sound(root: Path) -> list[Entry]:
@@ -279,7 +279,7 @@ def store_is_sound(root: Path) -> list[Entry]:
     store = open_store(root)
     for entry in listed:
         assert entry.damage is None, f"listed checkpoint {entry.id} is damaged: {entry.damage}"
-        store.verify(entry)  # raises DataLoss naming the bad blob
+        store.reader.verify(entry)  # raises DataLoss naming the bad blob
     return listed
 
 
@@ -287,7 +287,7 @@ def rootfs_diff_file(root: Path, entry: Entry, path: str) -> bytes | None:
     """A regular file's content in a checkpoint's rootfs-diff layer (verified stream)."""
     wanted = path.strip("/")
     with (
-        open_store(root).open_layer(entry, ROOTFS_LAYER) as stream,
+        open_store(root).reader.open_layer(entry, ROOTFS_LAYER) as stream,
         tarfile.open(fileobj=stream, mode="r|") as tar,
     ):
         for member in tar:

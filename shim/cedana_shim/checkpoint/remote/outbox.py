@@ -164,7 +164,7 @@ def sync(
                 result.busy.append(checkpoint_id)
                 continue
             try:
-                remote.store.get(checkpoint_id)
+                remote.store.catalog.get(checkpoint_id)
             except errors.NotFound as err:
                 log.warning("dropping a pending push: %s", err, extra={"checkpoint": checkpoint_id})
                 outbox.done(checkpoint_id)
@@ -192,7 +192,7 @@ def _prune_labels(remote: RemoteStore, pushed: Collection[str]) -> None:
     labels = set()
     for checkpoint_id in pushed:
         with contextlib.suppress(errors.ShimError, OSError):
-            entry = remote.store.get(checkpoint_id)
+            entry = remote.store.catalog.get(checkpoint_id)
             labels.add((entry.scope, entry.label))
     for scope, label in sorted(labels):
         try:

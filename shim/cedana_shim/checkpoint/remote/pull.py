@@ -162,7 +162,7 @@ def pull_into(
     where = f"registry {client.host}: {remote.repository}:{remote.tag}"
     check_sizes(manifest, where)
     blobs = manifest_blobs(manifest)
-    with store.begin_adoption(remote.checkpoint_id) as adoption:
+    with store.adopter.begin_adoption(remote.checkpoint_id) as adoption:
         missing = {d: s for d, s in blobs.items() if not adoption.link_existing(d, s)}
         spare = _check_space(store, sum(missing.values()), remote)
         meter = _Meter(sum(missing.values()), progress)
@@ -188,7 +188,7 @@ def pull_into(
                 for future in futures:
                     future.cancel()
                 raise
-        return store.adopt(adoption, data)
+        return store.adopter.adopt(adoption, data)
 
 
 def _download(

@@ -159,7 +159,7 @@ class RemoteStore:
             ):
                 if entry.state == "raw":
                     entry = self._compact(entry.id, sender, on_compacted, niced)
-                local = self.store.checkpoint_manifest(entry)
+                local = self.store.adopter.checkpoint_manifest(entry)
                 manifest = checkpoint_manifest(local, entry.metadata, entry.scope, origin)
                 blobs = manifest_blobs(parse_manifest(local, f"{what}: manifest"))
                 sender.finish(blobs, lambda d: self._source(d, f"{what}: blob {d}"))
@@ -171,7 +171,7 @@ class RemoteStore:
         return remote
 
     def _pushable(self, checkpoint_id: str) -> Entry:
-        entry = self.store.get(checkpoint_id)
+        entry = self.store.catalog.get(checkpoint_id)
         if entry.damage is not None:
             raise errors.DataLoss(f"checkpoint {entry.id} is damaged: {entry.damage}")
         return entry
@@ -184,7 +184,7 @@ class RemoteStore:
         niced: bool,
     ) -> Entry:
         began = time.monotonic()
-        compacted = self.store.compact(checkpoint_id, on_blob=sender.offer, niced=niced)
+        compacted = self.store.compactor.compact(checkpoint_id, on_blob=sender.offer, niced=niced)
         if compacted is None:
             raise errors.NotFound(
                 f"checkpoint {checkpoint_id} was removed from {self.store.root} "
@@ -196,7 +196,7 @@ class RemoteStore:
 
     def _source(self, digest: str, what: str) -> Callable[[int], IO[bytes]]:
         def open_at(offset: int) -> IO[bytes]:
-            stream = self.store.open_blob(digest, what)
+            stream = self.store.adopter.open_blob(digest, what)
             stream.seek(offset)
             return stream
 
@@ -250,7 +250,9 @@ class RemoteStore:
         ``scope`` None: the namespaces this node's store has checkpoints of (a
         registry need not say which repositories it has).
         """
-        scopes = [scope] if scope is not None else sorted({e.scope for e in self.store.list()})
+        scopes = (
+            [scope] if scope is not None else sorted({e.scope for e in self.store.catalog.list()})
+        )
         found: _Remotes = []
         for name in scopes:
             try:
@@ -290,7 +292,7 @@ class RemoteStore:
     def pull(self, remote: RemoteCheckpoint, progress: Progress | None = None) -> Entry:
         """The checkpoint in the local store, pulled unless it is there (see pull.py)."""
         try:
-            return self.store.get(remote.checkpoint_id)
+            return self.store.catalog.get(remote.checkpoint_id)
         except errors.NotFound:
             pass
         return pull_into(self.store, self.client, remote, progress)
@@ -308,7 +310,7 @@ class RemoteStore:
         repo = self.client.repository_for(scope)
         part = encode_label(label)
         tags = [t for t in self._tags(repo) if t.label_part == part]
-        failures = self.store.failures()
+        failures = self.store.failure_records.failures()
         complete = failed_last(
             _newest_first(t for t in tags if not t.pending),
             lambda t: has_failed(failures, t.checkpoint_id, t.base),

@@ -40,6 +40,7 @@ from cedana_shim import errors
 from . import fsutil
 from .catalog import Catalog, manifest_state, newest_first
 from .compress import RawBound, ZstdReader, hash_fd
+from .core import StoreCore
 from .filelist import CACHE_LIST_SUFFIX
 from .ingest import create_locked_dir
 from .layout import (
@@ -324,12 +325,23 @@ def _close_all(*fds: int) -> None:
             os.close(fd)
 
 
-class Adopter(Catalog):
+class Adopter:
+    """Hands out compacted checkpoints' blobs and adopts others' (see the module doc)."""
+
+    def __init__(self, core: StoreCore, catalog: Catalog) -> None:
+        self._core = core
+        self._catalog = catalog
+
+    @property
+    def root(self) -> str:
+        """The store's root: pulls check the free space of its filesystem."""
+        return self._core.root
+
     # -- reading out ---------------------------------------------------------------
 
     def checkpoint_manifest(self, entry: Entry) -> bytes:
         """The manifest of a loaded checkpoint, checked against its digest."""
-        return self._read_blob(
+        return self._core.read_blob(
             entry.manifest_digest, MAX_MANIFEST_BYTES, f"checkpoint {entry.id}: manifest"
         )
 
@@ -337,7 +349,7 @@ class Adopter(Catalog):
         """A stream of a blob of the store (DataLoss naming ``what`` when it is missing)."""
         if not is_digest(digest):
             raise errors.InvalidArgument(f"{digest!r} is not sha256:<64 lowercase hex>")
-        return os.fdopen(self._open_blob(digest, what), "rb")
+        return os.fdopen(self._core.open_blob_fd(digest, what), "rb")
 
     # -- adopting in -----------------------------------------------------------------
 
@@ -346,32 +358,34 @@ class Adopter(Catalog):
         if (why := check_checkpoint_id(checkpoint_id)) is not None:
             raise errors.InvalidArgument(why)
         try:
-            self._index_repaired()
-            with self._dir("ingest") as ingest_root:
+            self._catalog.index_repaired()
+            with self._core.opened_dir("ingest") as ingest_root:
                 name, dir_fd, lock_fd = create_locked_dir(
                     ingest_root,
                     lambda: f"adopt-{checkpoint_id}-{secrets.token_hex(4)}",
                     {"adopting": checkpoint_id},
                 )
-            blobs_fd = fsutil.open_dir(self._root_fd, "blobs", path=self.root)
+            blobs_fd = fsutil.open_dir(self._core.root_fd, "blobs", path=self._core.root)
             try:
-                sha = fsutil.open_dir(blobs_fd, "sha256", path=self._path("blobs"))
+                sha = fsutil.open_dir(blobs_fd, "sha256", path=self._core.path("blobs"))
             finally:
                 os.close(blobs_fd)
         except OSError as err:
-            raise self._os_error(err, f"creating a staging directory in {self.root}") from err
+            raise self._core.os_error(
+                err, f"creating a staging directory in {self._core.root}"
+            ) from err
 
         def remove() -> None:
-            with contextlib.suppress(OSError), self._dir("ingest") as ingest_root:
+            with contextlib.suppress(OSError), self._core.opened_dir("ingest") as ingest_root:
                 fsutil.remove_entry(ingest_root, name)
 
         return Adoption(
             checkpoint_id,
-            self._path("ingest", name),
+            self._core.path("ingest", name),
             (dir_fd, lock_fd, sha),
-            self._os_error,
+            self._core.os_error,
             remove,
-            cache_raw=self.config.cache_raw,
+            cache_raw=self._core.config.cache_raw,
         )
 
     def adopt(self, adoption: Adoption, manifest: bytes) -> Entry:
@@ -394,46 +408,48 @@ class Adopter(Catalog):
         ref = parse_checkpoint_ref(desc, 0, f"{where}: manifest annotations")
         if ref.id != adoption.checkpoint_id:
             raise errors.DataLoss(f"{where}: the manifest is checkpoint {ref.id}'s")
-        for known in self._index_repaired().checkpoints:
+        for known in self._catalog.index_repaired().checkpoints:
             if known.id == ref.id:
-                return self._load_entry(known)
+                return self._catalog.load_entry(known)
         self._check_adoptable(adoption, parsed, ref, where)
         cache = adoption.finish_cache()
         try:
             fsutil.create_file_at(adoption._dir_fd, _MANIFEST_NAME, manifest)
-            with self._index_lock():
-                index = self._index_for_write()
+            with self._core.index_lock():
+                index = self._catalog.index_for_write()
                 for known in index.checkpoints:
                     if known.id == ref.id:
-                        return self._load_entry(known)
+                        return self._catalog.load_entry(known)
                 placed: list[str] = []
                 committed = cached = False
                 try:
-                    with self._blobs() as blobs:
+                    with self._core.opened_blobs() as blobs:
                         for digest in manifest_blobs(parsed):
                             name = digest.removeprefix("sha256:")
-                            self._place(adoption._dir_fd, name, blobs, digest, placed)
+                            self._core.place(adoption._dir_fd, name, blobs, digest, placed)
                         os.fsync(blobs)
-                        self._place(adoption._dir_fd, _MANIFEST_NAME, blobs, desc.digest, placed)
+                        self._core.place(
+                            adoption._dir_fd, _MANIFEST_NAME, blobs, desc.digest, placed
+                        )
                         os.fsync(blobs)
                     cached = cache is not None and self._place_cache(adoption, index, ref, cache)
-                    new_index = self._replace_index(
+                    new_index = self._core.replace_index(
                         index, [*index.descriptors, desc], "adopt-index-temp-written"
                     )
                     committed = True
                     adoption._staged.clear()  # moved into the store
-                    os.fsync(self._root_fd)
+                    os.fsync(self._core.root_fd)
                 except BaseException:
                     if not committed:
-                        self._unplace(placed)
+                        self._core.unplace(placed)
                         if cached:
-                            with contextlib.suppress(OSError), self._dir("raw") as raw:
+                            with contextlib.suppress(OSError), self._core.opened_dir("raw") as raw:
                                 fsutil.remove_entry(raw, ref.id)
                     raise
         except OSError as err:
-            raise self._os_error(err, f"adopting {where} into {self.root}") from err
+            raise self._core.os_error(err, f"adopting {where} into {self._core.root}") from err
         position = len(new_index.descriptors) - 1
-        return self._load_entry(parse_checkpoint_ref(desc, position, "index.json"))
+        return self._catalog.load_entry(parse_checkpoint_ref(desc, position, "index.json"))
 
     def _place_cache(
         self, adoption: Adoption, index: Index, ref: CheckpointRef, cache: tuple[str, bytes]
@@ -447,10 +463,10 @@ class Adopter(Catalog):
             return False
         dir_name, file_list = cache
         layer = dir_name.removeprefix(CACHE_DIR_PREFIX)
-        with self._dir("raw", create=True) as raw:
+        with self._core.opened_dir("raw", create=True) as raw:
             fsutil.remove_entry(raw, ref.id)  # a crash's leftover: no checkpoint has it
             os.mkdir(ref.id, 0o700, dir_fd=raw)
-            with fsutil.opened_dir(raw, ref.id, path=self._path("raw")) as target:
+            with fsutil.opened_dir(raw, ref.id, path=self._core.path("raw")) as target:
                 os.rename(dir_name, layer, src_dir_fd=adoption._dir_fd, dst_dir_fd=target)
                 fsutil.write_file_atomic(target, layer + CACHE_LIST_SUFFIX, file_list)
             os.fsync(raw)

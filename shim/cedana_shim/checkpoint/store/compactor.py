@@ -37,6 +37,7 @@ from . import fsutil, gc, priority
 from .catalog import Catalog, newest_first
 from .chunks import ChunkWriter, chunk_temp_name, pool_width, split_file_list, split_files_of
 from .compress import WrittenBlob, compress_stream
+from .core import StoreCore
 from .filelist import CACHE_LIST_SUFFIX, FileList, RawFile
 from .ingest import create_locked_dir
 from .layout import (
@@ -129,7 +130,13 @@ def _config_layer(c: _Compressed) -> dict[str, Any]:
     return layer
 
 
-class Compactor(Catalog):
+class Compactor:
+    """Compacts raw checkpoints (see the module doc)."""
+
+    def __init__(self, core: StoreCore, catalog: Catalog) -> None:
+        self._core = core
+        self._catalog = catalog
+
     def compact(
         self, checkpoint_id: str, on_blob: OnBlob | None = None, *, niced: bool = True
     ) -> Entry | None:
@@ -148,18 +155,18 @@ class Compactor(Catalog):
         try:
             return run_niced(lambda: self._compact(checkpoint_id, on_blob), NICE if niced else 0)
         except OSError as err:
-            raise self._os_error(err, f"compacting checkpoint {checkpoint_id}") from err
+            raise self._core.os_error(err, f"compacting checkpoint {checkpoint_id}") from err
 
     def pending_compaction(self) -> list[str]:
         """Raw checkpoints nobody is compacting now, oldest first."""
-        index = self._read_index()
+        index = self._core.read_index()
         pending: list[str] = []
         for ref in reversed(newest_first(index.checkpoints)):
-            entry = self._load_entry(ref)
+            entry = self._catalog.load_entry(ref)
             if entry.damage is not None or entry.state != "raw":
                 continue
             try:
-                with self._dir("raw", ref.id) as fd:
+                with self._core.opened_dir("raw", ref.id) as fd:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # being compacted
@@ -172,9 +179,9 @@ class Compactor(Catalog):
         return pending
 
     def _find(self, checkpoint_id: str) -> Entry | None:
-        for ref in self._index_repaired().checkpoints:
+        for ref in self._catalog.index_repaired().checkpoints:
             if ref.id == checkpoint_id:
-                return self._load_entry(ref)
+                return self._catalog.load_entry(ref)
         return None
 
     def _compact(self, checkpoint_id: str, on_blob: OnBlob | None) -> Entry | None:
@@ -183,7 +190,7 @@ class Compactor(Catalog):
             return entry
         try:
             with self._raw_locked(checkpoint_id) as raw_fd:
-                self._step("compact-locked")
+                self._core.step("compact-locked")
                 # Again: a compaction that held the lock may have just finished.
                 entry = self._find_raw(checkpoint_id)
                 if entry is None or entry.state == "compacted":
@@ -192,8 +199,9 @@ class Compactor(Catalog):
         except FileNotFoundError:
             if self._find(checkpoint_id) is None:
                 return None
+            path = self._catalog.raw_path(checkpoint_id)
             raise errors.DataLoss(
-                f"checkpoint {checkpoint_id}: raw files {self._raw_path(checkpoint_id)} are missing"
+                f"checkpoint {checkpoint_id}: raw files {path} are missing"
             ) from None
 
     def _find_raw(self, checkpoint_id: str) -> Entry | None:
@@ -205,12 +213,12 @@ class Compactor(Catalog):
 
     @contextlib.contextmanager
     def _raw_locked(self, checkpoint_id: str) -> Iterator[int]:
-        with self._dir("raw", checkpoint_id) as fd:
+        with self._core.opened_dir("raw", checkpoint_id) as fd:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield fd
 
     def _compact_locked(self, entry: Entry, raw_fd: int, on_blob: OnBlob | None) -> Entry | None:
-        with self._dir("ingest") as ingest_root:
+        with self._core.opened_dir("ingest") as ingest_root:
             name, work_fd, lock_fd = create_locked_dir(
                 ingest_root,
                 lambda: f"compact-{entry.id}-{secrets.token_hex(4)}",
@@ -239,10 +247,12 @@ class Compactor(Catalog):
 
             def open_at(offset: int) -> IO[bytes]:
                 try:
-                    with self._dir("ingest", work_name) as work_fd:
-                        fd = fsutil.open_file(work_fd, tmp, path=self._path("ingest", work_name))
+                    with self._core.opened_dir("ingest", work_name) as work_fd:
+                        fd = fsutil.open_file(
+                            work_fd, tmp, path=self._core.path("ingest", work_name)
+                        )
                 except FileNotFoundError:  # placed (renamed into the store) meanwhile
-                    fd = self._open_blob(digest, what)
+                    fd = self._core.open_blob_fd(digest, what)
                 stream = os.fdopen(fd, "rb")
                 stream.seek(offset)
                 return stream
@@ -261,17 +271,17 @@ class Compactor(Catalog):
     ) -> _Compressed:
         layer = entry.layers[i]
         what = f"checkpoint {entry.id}: layer {layer.name!r}"
-        found = self._file_list_bytes(entry, layer.name)
+        found = self._catalog.file_list_bytes(entry, layer.name)
         if found is None:
             raise errors.DataLoss(f"{what}: no file list")
         files, file_list = found
-        path = self._raw_path(entry.id, layer.name)
+        path = self._catalog.raw_path(entry.id, layer.name)
         describe = f"{what} ({path})"
         in_tar: FileList = files
         split: tuple[RawFile, ...] = ()
         if self._splits(files):
             in_tar, split = split_file_list(files)
-        with self._raw_layer(entry.id, layer.name, what, raw_fd) as layer_fd:
+        with self._catalog.raw_layer(entry.id, layer.name, what, raw_fd) as layer_fd:
             tmp = f"layer-{i}"
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
             fd = os.open(tmp, flags, 0o600, dir_fd=work_fd)
@@ -279,9 +289,9 @@ class Compactor(Catalog):
                 blob = compress_stream(
                     fd,
                     lambda out: write_layer(layer_fd, in_tar, out, path=path, describe=describe),
-                    level=self.config.compression_level,
-                    threads=self.config.threads,
-                    on_first_write=lambda: self._step("layer-writing"),
+                    level=self._core.config.compression_level,
+                    threads=self._core.config.threads,
+                    on_first_write=lambda: self._core.step("layer-writing"),
                 )
                 os.fsync(fd)
             finally:
@@ -292,8 +302,8 @@ class Compactor(Catalog):
                 chunks, temps = self._write_chunks(
                     entry, layer_fd, split, work_fd, (path, describe), announce
                 )
-        self._step("layer-written")
-        if files.cache and self.config.cache_raw:
+        self._core.step("layer-written")
+        if files.cache and self._core.config.cache_raw:
             # Beside the files it describes, for raw_images() once compacted.
             fsutil.write_file_atomic(raw_fd, layer.name + CACHE_LIST_SUFFIX, file_list)
         return _Compressed(files, file_list, blob, tmp, tuple(chunks), split_files_of(split), temps)
@@ -301,7 +311,7 @@ class Compactor(Catalog):
     def _splits(self, files: FileList) -> bool:
         """Whether compaction splits the layer's page images into chunks."""
         return (
-            self.config.chunk_size > 0
+            self._core.config.chunk_size > 0
             and files.kind == "dir"
             and files.media_type == MEDIA_TYPE_CRIU
         )
@@ -316,13 +326,13 @@ class Compactor(Catalog):
         announce: Callable[[str, int], None] | None,
     ) -> tuple[list[Chunk], dict[str, str]]:
         path, describe = names
-        with self._blobs() as blobs_fd:
+        with self._core.opened_blobs() as blobs_fd:
             writer = ChunkWriter(
                 work_fd,
                 blobs_fd,
-                level=self.config.compression_level,
-                chunk_size=self.config.chunk_size,
-                workers=pool_width(self.config.threads),
+                level=self._core.config.compression_level,
+                chunk_size=self._core.config.chunk_size,
+                workers=pool_width(self._core.config.threads),
                 on_chunk=announce,
             )
             chunks = writer.write(layer_fd, split, path=path, describe=describe)
@@ -353,7 +363,7 @@ class Compactor(Catalog):
         config_desc = Descriptor(
             MEDIA_TYPE_CONFIG, fsutil.sha256_bytes(config_bytes), len(config_bytes)
         )
-        self._step("compact-config-written")
+        self._core.step("compact-config-written")
         layers: list[Descriptor] = []
         for c in compressed:
             name = c.files.layer
@@ -364,17 +374,17 @@ class Compactor(Catalog):
         annotations = self._annotations(entry)
         data = dump_manifest(annotations, config_desc, layers)
         fsutil.create_file_at(work_fd, "manifest", data)
-        self._step("compact-manifest-written")
+        self._core.step("compact-manifest-written")
         manifest = Descriptor(
             MEDIA_TYPE_MANIFEST, fsutil.sha256_bytes(data), len(data), annotations
         )
         return config_desc, manifest
 
     def _annotations(self, entry: Entry) -> dict[str, str]:
-        for ref in self._read_index().checkpoints:
+        for ref in self._core.read_index().checkpoints:
             if ref.id == entry.id:
                 return dict(ref.descriptor.annotations)
-        raise errors.Internal(f"checkpoint {entry.id} vanished from {self._index_path}")
+        raise errors.Internal(f"checkpoint {entry.id} vanished from {self._core.index_path}")
 
     def _swap(
         self,
@@ -385,25 +395,27 @@ class Compactor(Catalog):
         raw_fd: int,
     ) -> Entry | None:
         """Place the blobs and swap the descriptor in index.json; then release the raw files."""
-        with self._index_lock():
-            self._step("compact-index-locked")
-            index = self._index_for_write()
+        with self._core.index_lock():
+            self._core.step("compact-index-locked")
+            index = self._catalog.index_for_write()
             position = self._position(index, entry.id)
             if position is None:
                 return None  # removed meanwhile: the temp blobs go with the work dir
             current = index.descriptors[position]
             if current.digest != entry.manifest_digest:
-                return self._load_entry(parse_checkpoint_ref(current, position, "index.json"))
+                return self._catalog.load_entry(
+                    parse_checkpoint_ref(current, position, "index.json")
+                )
             new_index = self._commit_swap(index, position, compressed, work_fd, documents)
             self._release_raw(entry, new_index, raw_fd)
-            self._step("raw-released")
+            self._core.step("raw-released")
             try:
-                self._sweep_locked(new_index)
+                self._catalog.sweep_locked(new_index)
             except OSError as err:  # the checkpoint is compacted; gc can run again later
                 log.warning("gc after compaction failed: %s", err)
-            self._step("gc-done")
+            self._core.step("gc-done")
         desc = new_index.descriptors[position]
-        return self._load_entry(parse_checkpoint_ref(desc, position, "index.json"))
+        return self._catalog.load_entry(parse_checkpoint_ref(desc, position, "index.json"))
 
     @staticmethod
     def _position(index: Index, checkpoint_id: str) -> int | None:
@@ -425,30 +437,30 @@ class Compactor(Catalog):
         placed: list[str] = []
         committed = False
         try:
-            with self._blobs() as blobs:
+            with self._core.opened_blobs() as blobs:
                 for c in compressed:
-                    self._place(work_fd, c.tmp, blobs, c.blob.digest, placed)
+                    self._core.place(work_fd, c.tmp, blobs, c.blob.digest, placed)
                     for digest, tmp in c.chunk_temps.items():
-                        self._place(work_fd, tmp, blobs, digest, placed)
-                self._place(work_fd, "config", blobs, config.digest, placed)
+                        self._core.place(work_fd, tmp, blobs, digest, placed)
+                self._core.place(work_fd, "config", blobs, config.digest, placed)
                 os.fsync(blobs)
-                self._step("compact-blobs-placed")
-                self._place(work_fd, "manifest", blobs, manifest.digest, placed)
+                self._core.step("compact-blobs-placed")
+                self._core.place(work_fd, "manifest", blobs, manifest.digest, placed)
                 os.fsync(blobs)
-                self._step("compact-manifest-placed")
+                self._core.step("compact-manifest-placed")
             # Same annotations (id, created...) and unknown fields: only the manifest changes.
             descriptors = list(index.descriptors)
             descriptors[position] = Descriptor(
                 MEDIA_TYPE_MANIFEST, manifest.digest, manifest.size, old.annotations, raw=old.raw
             )
-            new_index = self._replace_index(index, descriptors, "compact-index-temp-written")
+            new_index = self._core.replace_index(index, descriptors, "compact-index-temp-written")
             committed = True
-            self._step("compact-index-replaced")
-            os.fsync(self._root_fd)
-            self._step("compact-committed")
+            self._core.step("compact-index-replaced")
+            os.fsync(self._core.root_fd)
+            self._core.step("compact-committed")
         except BaseException:
             if not committed:
-                self._unplace(placed)
+                self._core.unplace(placed)
             raise
         return new_index
 
@@ -456,8 +468,8 @@ class Compactor(Catalog):
         """Keep the raw files as the label's raw-image cache, or delete them."""
         group = [r for r in index.checkpoints if (r.scope, r.label) == (entry.scope, entry.label)]
         newest = newest_first(group)[0].id == entry.id
-        with self._dir("raw") as raw:
-            if newest and self.config.cache_raw:
+        with self._core.opened_dir("raw") as raw:
+            if newest and self._core.config.cache_raw:
                 gc.trim_cache(raw, entry.id)
             else:
                 fsutil.remove_entry(raw, entry.id)

@@ -1,9 +1,10 @@
-"""The store's machinery shared by every operation: the root, the index, blobs, errors.
+"""The store's machinery shared by every part: the root, the index, blobs, errors.
 
 The root is opened once (it may be a symlink to another disk: that is allowed)
 and everything under it is reached from that fd without following symlinks
 (see fsutil). index.json is read and replaced here; blobs are read, verified
-and placed here.
+and placed here. Every other part of the store (store.py) is given this one
+object and works through its methods; none of them holds an fd of its own.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ REPAIR_HINT: Final = (
 
 
 class StoreCore:
+    """An opened store root: its fd, index.json and its lock, blobs, the step hook."""
+
     def __init__(self, config: StoreConfig, *, step_hook: StepHook | None = None) -> None:
         if not -7 <= config.compression_level <= 22:
             raise errors.InvalidArgument(
@@ -81,14 +84,14 @@ class StoreCore:
             raise errors.InvalidArgument(f"retain must be >= 0 (0 = keep all), got {config.retain}")
         self.config = config
         self.root = os.path.abspath(config.root)
-        self._index_path = os.path.join(self.root, INDEX)
+        self.index_path = os.path.join(self.root, INDEX)
         self._step_hook = step_hook
         try:
-            self._root_fd = self._open_root()
-            self._close_root = weakref.finalize(self, os.close, self._root_fd)
+            self.root_fd = self._open_root()
+            self._close_root = weakref.finalize(self, os.close, self.root_fd)
             self._check_layout()
         except OSError as err:
-            raise self._os_error(err, f"opening checkpoint store {self.root}") from err
+            raise self.os_error(err, f"opening checkpoint store {self.root}") from err
 
     # -- setup ---------------------------------------------------------------
 
@@ -121,7 +124,7 @@ class StoreCore:
         return fd
 
     def _check_layout(self) -> None:
-        names = set(os.listdir(self._root_fd))
+        names = set(os.listdir(self.root_fd))
         strays = {
             n
             for n in names - LAYOUT_NAMES
@@ -134,35 +137,41 @@ class StoreCore:
                 "write checkpoints into it. Point the store at a new or empty directory"
             )
         if "oci-layout" in names:
-            path = self._path("oci-layout")
+            path = self.path("oci-layout")
             parse_layout_file(self._read_root_file("oci-layout", 4096), path)
         for parts in (("blobs",), ("blobs", "sha256"), ("ingest",), ("raw",)):
-            with self._dir(*parts, create=True):
+            with self.opened_dir(*parts, create=True):
                 pass
 
     # -- small helpers -------------------------------------------------------
 
-    def _step(self, name: str) -> None:
+    def step(self, name: str) -> None:
+        """A crash point (model.PUBLISH_STEPS, COMPACT_STEPS): the step hook's cue."""
         if self._step_hook is not None:
             self._step_hook(name)
 
-    def _path(self, *parts: str) -> str:
+    def path(self, *parts: str) -> str:
+        """``<root>/<parts...>``, for messages and for what is handed out by name."""
         return os.path.join(self.root, *parts)
 
-    def _dir(self, *parts: str, create: bool = False) -> contextlib.AbstractContextManager[int]:
+    def opened_dir(
+        self, *parts: str, create: bool = False
+    ) -> contextlib.AbstractContextManager[int]:
         """An fd of ``<root>/<parts...>``, reached without following a symlink."""
-        return fsutil.opened_dir(self._root_fd, *parts, path=self.root, create=create)
+        return fsutil.opened_dir(self.root_fd, *parts, path=self.root, create=create)
 
-    def _index_lock(self) -> contextlib.AbstractContextManager[None]:
-        return fsutil.flocked(self._root_fd, "index.lock", path=self._path("index.lock"))
+    def index_lock(self) -> contextlib.AbstractContextManager[None]:
+        """Hold ``index.lock``: every index.json writer, and every blob or raw dir placed."""
+        return fsutil.flocked(self.root_fd, "index.lock", path=self.path("index.lock"))
 
     def _read_root_file(self, name: str, limit: int) -> bytes:
         try:
-            return fsutil.read_file_at(self._root_fd, name, limit, path=self._path(name))
+            return fsutil.read_file_at(self.root_fd, name, limit, path=self.path(name))
         except fsutil.TooLarge as err:
             raise errors.DataLoss(str(err)) from None
 
-    def _os_error(self, err: OSError, doing: str) -> errors.ShimError:
+    def os_error(self, err: OSError, doing: str) -> errors.ShimError:
+        """The ShimError an OSError met while ``doing`` is: a full disk says how to free it."""
         if err.errno in SPACE_ERRNOS:
             return errors.ResourceExhausted(
                 f"checkpoint store {self.root} is full: {err.strerror} while {doing}. "
@@ -174,33 +183,33 @@ class StoreCore:
 
     # -- index.json ----------------------------------------------------------
 
-    def _load_index(self) -> Index:
+    def load_index(self) -> Index:
         """index.json parsed; DataLoss (naming the file) when it is missing or damaged."""
         try:
             data = self._read_root_file(INDEX, MAX_INDEX_BYTES)
         except FileNotFoundError:
             raise errors.DataLoss(
-                f"{self._index_path} is missing: the checkpoint store's index was deleted"
+                f"{self.index_path} is missing: the checkpoint store's index was deleted"
             ) from None
-        return parse_index(data, self._index_path)
+        return parse_index(data, self.index_path)
 
-    def _read_index(self) -> Index:
+    def read_index(self) -> Index:
         """For read paths: the index, or DataLoss that says how to repair it."""
         try:
-            return self._load_index()
+            return self.load_index()
         except errors.DataLoss as err:
             raise errors.DataLoss(
                 f"{err}. The store's index is damaged: no checkpoint can be listed until it "
                 f"is repaired; {REPAIR_HINT}"
             ) from None
 
-    def _write_index(self, index: Index, descriptors: Sequence[Descriptor]) -> Index:
+    def write_index(self, index: Index, descriptors: Sequence[Descriptor]) -> Index:
         """Replace index.json (the caller holds the index lock); returns what it says now."""
         data = dump_json(index.to_json(descriptors))
-        fsutil.write_file_atomic(self._root_fd, INDEX, data, INDEX_TMP_PREFIX)
-        return parse_index(data, self._index_path)
+        fsutil.write_file_atomic(self.root_fd, INDEX, data, INDEX_TMP_PREFIX)
+        return parse_index(data, self.index_path)
 
-    def _replace_index(
+    def replace_index(
         self, index: Index, descriptors: Sequence[Descriptor], temp_step: str
     ) -> Index:
         """Write the new index.json under a temp name, fsync it, rename it into place.
@@ -211,28 +220,30 @@ class StoreCore:
         data = dump_json(index.to_json(descriptors))
         tmp = f"{INDEX_TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            fsutil.create_file_at(self._root_fd, tmp, data)
-            self._step(temp_step)
-            os.replace(tmp, INDEX, src_dir_fd=self._root_fd, dst_dir_fd=self._root_fd)
+            fsutil.create_file_at(self.root_fd, tmp, data)
+            self.step(temp_step)
+            os.replace(tmp, INDEX, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=self._root_fd)
+                os.unlink(tmp, dir_fd=self.root_fd)
             raise
-        return parse_index(data, self._index_path)
+        return parse_index(data, self.index_path)
 
     # -- blobs ---------------------------------------------------------------
 
-    def _blob_path(self, digest: str) -> str:
-        return self._path("blobs", "sha256", digest.removeprefix("sha256:"))
+    def blob_path(self, digest: str) -> str:
+        """Where a blob is, for messages (blobs are opened through ``opened_blobs``)."""
+        return self.path("blobs", "sha256", digest.removeprefix("sha256:"))
 
-    def _blobs(self) -> contextlib.AbstractContextManager[int]:
-        return self._dir("blobs", "sha256")
+    def opened_blobs(self) -> contextlib.AbstractContextManager[int]:
+        """An fd of ``blobs/sha256``."""
+        return self.opened_dir("blobs", "sha256")
 
-    def _open_blob(self, digest: str, what: str) -> int:
+    def open_blob_fd(self, digest: str, what: str) -> int:
         """A blob's fd; DataLoss naming ``what`` when it is missing or not a file."""
-        path = self._blob_path(digest)
+        path = self.blob_path(digest)
         try:
-            with self._blobs() as blobs:
+            with self.opened_blobs() as blobs:
                 return fsutil.open_file(blobs, digest.removeprefix("sha256:"), path=path)
         except FileNotFoundError:
             raise errors.DataLoss(f"{what}: blob {path} is missing") from None
@@ -241,12 +252,12 @@ class StoreCore:
         except OSError as err:
             raise errors.DataLoss(f"{what}: cannot open blob {path}: {err.strerror}") from None
 
-    def _read_blob(self, digest: str, limit: int, what: str, size: int | None = None) -> bytes:
+    def read_blob(self, digest: str, limit: int, what: str, size: int | None = None) -> bytes:
         """A small blob's bytes, checked against its digest (and size when known)."""
         if size is not None and size > limit:
             raise errors.DataLoss(f"{what}: descriptor says {size} bytes, over the {limit} allowed")
-        path = self._blob_path(digest)
-        fd = self._open_blob(digest, what)
+        path = self.blob_path(digest)
+        fd = self.open_blob_fd(digest, what)
         try:
             data = os.read(fd, (limit if size is None else size) + 1)
         finally:
@@ -260,7 +271,7 @@ class StoreCore:
         return data
 
     @staticmethod
-    def _place(work_fd: int, tmp: str, blobs_fd: int, digest: str, placed: list[str]) -> None:
+    def place(work_fd: int, tmp: str, blobs_fd: int, digest: str, placed: list[str]) -> None:
         """Rename a temp blob into blobs/sha256 (the caller holds the index lock)."""
         name = digest.removeprefix("sha256:")
         try:
@@ -274,9 +285,9 @@ class StoreCore:
         if not existed:
             placed.append(name)
 
-    def _unplace(self, placed: list[str]) -> None:
-        """Undo _place for blobs a failed write created (others may be shared)."""
-        with contextlib.suppress(OSError), self._blobs() as blobs:
+    def unplace(self, placed: list[str]) -> None:
+        """Undo ``place`` for blobs a failed write created (others may be shared)."""
+        with contextlib.suppress(OSError), self.opened_blobs() as blobs:
             for name in placed:
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=blobs)

@@ -75,7 +75,12 @@ def failed_last(items: Iterable[T], failed: Callable[[T], bool]) -> list[T]:
     return sorted(items, key=failed)  # stable: False before True
 
 
-class FailureRecords(StoreCore):
+class FailureRecords:
+    """The store's failure records (see the module doc)."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
+
     def record_failure(self, checkpoint_id: str, why: str, *, tag: str = "") -> None:
         """Record that ``checkpoint_id`` failed and why, durably."""
         if (problem := check_checkpoint_id(checkpoint_id)) is not None:
@@ -86,35 +91,37 @@ class FailureRecords(StoreCore):
             "why": why[:_WHY_MAX],
             "failedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        path = self._path(FAILURES_DIR, checkpoint_id + _SUFFIX)
+        path = self._core.path(FAILURES_DIR, checkpoint_id + _SUFFIX)
         try:
-            with self._dir(FAILURES_DIR, create=True) as dir_fd:
+            with self._core.opened_dir(FAILURES_DIR, create=True) as dir_fd:
                 fsutil.write_file_atomic(
                     dir_fd, checkpoint_id + _SUFFIX, dump_json(record), tmp_prefix=_TMP_PREFIX
                 )
         except OSError as err:
-            raise self._os_error(err, f"recording a failed checkpoint in {path}") from err
+            raise self._core.os_error(err, f"recording a failed checkpoint in {path}") from err
 
     def clear_failure(self, checkpoint_id: str) -> None:
         """Forget that ``checkpoint_id`` failed (it was restored since)."""
         if (problem := check_checkpoint_id(checkpoint_id)) is not None:
             raise errors.InvalidArgument(problem)
         try:
-            with self._dir(FAILURES_DIR) as dir_fd:
+            with self._core.opened_dir(FAILURES_DIR) as dir_fd:
                 fsutil.remove_entry(dir_fd, checkpoint_id + _SUFFIX)
                 os.fsync(dir_fd)
         except FileNotFoundError:
             pass
         except OSError as err:
-            raise self._os_error(err, f"clearing the failure record of {checkpoint_id}") from err
+            raise self._core.os_error(
+                err, f"clearing the failure record of {checkpoint_id}"
+            ) from err
 
     def failures(self) -> Mapping[str, Failure]:
         """Every failure record, by checkpoint id. A record that cannot be read is
         skipped, and none at all when the directory cannot be (logged): candidates and
         retention then go by age alone, as before records existed."""
         try:
-            with self._dir(FAILURES_DIR) as dir_fd:
-                return _read_all(dir_fd, self._path(FAILURES_DIR))
+            with self._core.opened_dir(FAILURES_DIR) as dir_fd:
+                return _read_all(dir_fd, self._core.path(FAILURES_DIR))
         except FileNotFoundError:
             return {}
         except (OSError, errors.DataLoss) as err:

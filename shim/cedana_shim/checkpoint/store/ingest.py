@@ -1,4 +1,4 @@
-"""A checkpoint being written: the staging area handed out by Store.begin.
+"""A checkpoint being written: the staging area handed out by Writer.begin.
 
 Also the ingest lock protocol: ``<store>/ingest/<name>/lock`` is flock'ed by the
 writing process for the ingest's whole life. It appears under that name already
@@ -6,7 +6,7 @@ locked (created as .lock.tmp, locked, filled, then renamed), so a sweeper that
 can lock it knows the writer is gone: the kernel drops a flock when its holder
 dies, however the pid is reused. Its JSON names the writer, and for a
 checkpoint ingest its scope and label, so that another process can tell which
-labels have a checkpoint in flight (Store.in_flight). Compaction work dirs use
+labels have a checkpoint in flight (Reader.in_flight). Compaction work dirs use
 the same protocol under ``compact-<id>-<hex>`` names.
 """
 
@@ -101,8 +101,8 @@ def _close_all(*fds: int) -> None:
 class Ingest:
     """A checkpoint being written: a private staging dir under ``<root>/ingest``.
 
-    Not thread-safe: one writer fills it, then hands it to Store.publish (or
-    commit) or Store.abort (or leaves a ``with`` block, which aborts it unless
+    Not thread-safe: one writer fills it, then hands it to Writer.publish (or
+    Store.commit) or Writer.abort (or leaves a ``with`` block, which aborts it unless
     published).
     """
 
@@ -124,11 +124,11 @@ class Ingest:
         self.scope = scope
         self.label = label
         self.created = created
-        self._owner = owner  # the Store that may publish it
+        self._owner = owner  # the store's Writer that may publish it
         self._abort = abort
         self._dir_fd = fds[0]
         # Closing the lock fd drops the flock, which lets gc reclaim the dir: done
-        # by Store.publish/abort, or when a forgotten Ingest is collected.
+        # by Writer.publish/abort, or when a forgotten Ingest is collected.
         self._release = weakref.finalize(self, _close_all, *fds)
         self._metadata: dict[str, Any] = dict(metadata)
         self._layers: list[PendingLayer] = []

@@ -11,8 +11,8 @@ from cedana_shim import errors
 
 from . import gc
 from .catalog import Catalog, newest_first
-from .core import INDEX_TMP_PREFIX
-from .failures import failed_last
+from .core import INDEX_TMP_PREFIX, StoreCore
+from .failures import FailureRecords, failed_last
 from .ingest import sweep_ingests
 from .layout import ANN_ID, CheckpointRef, Index, check_checkpoint_id
 from .model import RepairReport
@@ -26,7 +26,14 @@ SPOOL_GRACE_S: Final = 3600.0
 _Ids: TypeAlias = list[str]
 
 
-class Maintenance(Catalog):
+class Maintenance:
+    """Trims and fixes the store (see the module doc)."""
+
+    def __init__(self, core: StoreCore, catalog: Catalog, failures: FailureRecords) -> None:
+        self._core = core
+        self._catalog = catalog
+        self._failures = failures  # prune keeps a good checkpoint before a failed one
+
     def remove(self, checkpoint_id: str) -> None:
         if (why := check_checkpoint_id(checkpoint_id)) is not None:
             raise errors.InvalidArgument(why)
@@ -44,7 +51,7 @@ class Maintenance(Catalog):
             for r in index.checkpoints:
                 if (scope is None or r.scope == scope) and (label is None or r.label == label):
                     groups.setdefault((r.scope, r.label), []).append(r)
-            failed = self.failures()
+            failed = self._failures.failures()
             return {
                 r.id
                 for g in groups.values()
@@ -55,21 +62,21 @@ class Maintenance(Catalog):
 
     def _drop(self, select: Callable[[Index], set[str] | None], must: str | None) -> _Ids:
         try:
-            with self._index_lock():
-                index = self._index_for_write()
+            with self._core.index_lock():
+                index = self._catalog.index_for_write()
                 drops = select(index)
                 if drops is None:
-                    raise errors.NotFound(f"checkpoint {must} not found in {self.root}")
+                    raise errors.NotFound(f"checkpoint {must} not found in {self._core.root}")
                 if not drops:
                     return []
                 removed = [r.id for r in newest_first(index.checkpoints) if r.id in drops]
                 descriptors = [
                     d for d in index.descriptors if d.annotations.get(ANN_ID) not in drops
                 ]
-                self._sweep_locked(self._write_index(index, descriptors))
+                self._catalog.sweep_locked(self._core.write_index(index, descriptors))
                 return removed
         except OSError as err:
-            raise self._os_error(err, f"removing checkpoints from {self.root}") from err
+            raise self._core.os_error(err, f"removing checkpoints from {self._core.root}") from err
 
     def gc(self) -> int:
         """Delete what no published checkpoint needs; returns the bytes freed.
@@ -81,31 +88,31 @@ class Maintenance(Catalog):
         touches a write in progress in another process (see the module doc).
         """
         try:
-            with self._index_lock():
+            with self._core.index_lock():
                 # Index temp files are only written under the lock: any seen now is stale.
-                freed = gc.sweep_stale_files(self._root_fd, INDEX_TMP_PREFIX)
-                freed += self._sweep_locked(self._index_for_write())
-            with self._dir("ingest") as ingest_root:
+                freed = gc.sweep_stale_files(self._core.root_fd, INDEX_TMP_PREFIX)
+                freed += self._catalog.sweep_locked(self._catalog.index_for_write())
+            with self._core.opened_dir("ingest") as ingest_root:
                 freed += sweep_ingests(ingest_root)
             try:
-                with self._dir("spool") as spool:
+                with self._core.opened_dir("spool") as spool:
                     freed += gc.sweep_stale_files(spool, "", time.time() - SPOOL_GRACE_S)
             except FileNotFoundError:
                 pass
             return freed
         except OSError as err:
-            raise self._os_error(err, f"collecting garbage in {self.root}") from err
+            raise self._core.os_error(err, f"collecting garbage in {self._core.root}") from err
 
     def repair(self) -> RepairReport:
         """Rebuild index.json if it is missing or damaged (see repair.py); else do nothing."""
         try:
-            with self._index_lock():
+            with self._core.index_lock():
                 try:
-                    self._load_index()
+                    self._core.load_index()
                 except errors.DataLoss as err:
-                    return self._repair_locked(str(err))
+                    return self._catalog.repair_locked(str(err))
                 return RepairReport(
-                    self._index_path, None, f"{self._index_path} is intact", rebuilt=False
+                    self._core.index_path, None, f"{self._core.index_path} is intact", rebuilt=False
                 )
         except OSError as err:
-            raise self._os_error(err, f"repairing {self._index_path}") from err
+            raise self._core.os_error(err, f"repairing {self._core.index_path}") from err

@@ -162,7 +162,7 @@ class Entry:
 
 @dataclass(frozen=True)
 class RepairReport:
-    """What Store.repair did: index.json rebuilt from what the blobs and raw dirs hold."""
+    """What Maintenance.repair did: index.json rebuilt from what the blobs and raw dirs hold."""
 
     index_path: str
     damaged_copy: str | None  # where the unreadable index.json was kept; None: it was missing

@@ -1,4 +1,5 @@
-"""Reading checkpoints: list, get, verify, extract and stream layers, raw or compacted.
+"""Reading checkpoints: the candidates of a restore, verify, extract and stream layers,
+raw or compacted (listing and lookup are the catalog's: catalog.py).
 
 A raw checkpoint's layers are read from ``raw/<id>/<layer>`` and checked
 against their file lists (size, CRC-32) in the same pass; a compacted one's
@@ -15,18 +16,18 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Collection
-from typing import IO, TYPE_CHECKING, BinaryIO, Final, TypeAlias
+from typing import IO, TYPE_CHECKING, BinaryIO, Final
 
 from cedana_shim import errors
 
 from . import compress, fsutil
-from .catalog import Catalog, newest_first
+from .catalog import Catalog
 from .chunks import extract_split_files, write_split_tar
 from .compress import CHUNK, LayerStream, extract_tar, extract_tar_zstd
-from .core import SPACE_ERRNOS
+from .core import SPACE_ERRNOS, StoreCore
 from .filelist import FileList
 from .ingest import in_flight
-from .layout import Chunk, check_checkpoint_id, check_scope_or_label
+from .layout import Chunk, check_scope_or_label
 from .model import Entry, LayerInfo
 from .rawfiles import CheckingReader, copy_out, open_listed, write_tar
 
@@ -37,9 +38,6 @@ __all__ = ["Reader"]
 
 # Chunks decompressed and written at once by an extraction (see the module doc).
 _EXTRACT_WORKERS: Final = 2
-# `list` is a method name below, so the class body cannot say list[...].
-_Entries: TypeAlias = list[Entry]
-_Ids: TypeAlias = list[str]
 
 
 class _TarPipe(io.RawIOBase):
@@ -85,37 +83,14 @@ class _TarPipe(io.RawIOBase):
         super().close()
 
 
-class Reader(Catalog):
-    def list(self, *, scope: str | None = None, label: str | None = None) -> _Entries:
-        """Published checkpoints, newest first, optionally of one scope and/or label."""
-        index = self._read_index()
-        refs = newest_first(
-            r
-            for r in index.checkpoints
-            if (scope is None or r.scope == scope) and (label is None or r.label == label)
-        )
-        entries = [self._load_entry(r) for r in refs]
-        if any(e.damage for e in entries):
-            # A blob may have been deleted by a concurrent remove/retention (or a
-            # compaction) after we read the index: such entries are gone (or
-            # compacted), not damaged.
-            now = {r.id: r for r in self._read_index().checkpoints}
-            entries = [
-                self._load_entry(now[e.id])
-                if e.damage and now[e.id].descriptor.digest != e.manifest_digest
-                else e
-                for e in entries
-                if e.id in now
-            ]
-        return entries
+class Reader:
+    """Reads checkpoints back: what a restore tries, verifies, extracts and streams."""
 
-    def _reload(self, checkpoint_id: str) -> Entry:
-        for ref in self._read_index().checkpoints:
-            if ref.id == checkpoint_id:
-                return self._load_entry(ref)
-        raise errors.NotFound(f"checkpoint {checkpoint_id} not found in {self.root}")
+    def __init__(self, core: StoreCore, catalog: Catalog) -> None:
+        self._core = core
+        self._catalog = catalog
 
-    def candidates(self, scope: str, label: str) -> _Entries:
+    def candidates(self, scope: str, label: str) -> list[Entry]:
         """What a restore of ``label`` in ``scope`` should try, in order (newest first).
 
         Damaged entries are included: the caller verifies each and falls back.
@@ -123,34 +98,29 @@ class Reader(Catalog):
         for what, value in (("scope", scope), ("label", label)):
             if (why := check_scope_or_label(what, value)) is not None:
                 raise errors.InvalidArgument(why)
-        return self.list(scope=scope, label=label)
+        return self._catalog.list(scope=scope, label=label)
 
-    def matching(self, scope: str, ref: str) -> _Entries:
+    def matching(self, scope: str, ref: str) -> list[Entry]:
         """Checkpoints of ``scope`` whose id is ``ref`` (that one alone) or starts with
         it, newest first. Another scope's checkpoints are never looked at."""
         if (why := check_scope_or_label("scope", scope)) is not None:
             raise errors.InvalidArgument(why)
         if not ref:
             return []
-        entries = self.list(scope=scope)
+        entries = self._catalog.list(scope=scope)
         exact = [e for e in entries if e.id == ref]
         return exact or [e for e in entries if e.id.startswith(ref)]
 
-    def get(self, checkpoint_id: str) -> Entry:
-        if (why := check_checkpoint_id(checkpoint_id)) is not None:
-            raise errors.InvalidArgument(why)
-        return self._reload(checkpoint_id)
-
-    def in_flight(self, scope: str, label: str) -> _Ids:
+    def in_flight(self, scope: str, label: str) -> list[str]:
         """Ids of checkpoints of (scope, label) still being written by a live process."""
-        with self._dir("ingest") as ingest_root:
+        with self._core.opened_dir("ingest") as ingest_root:
             return in_flight(ingest_root, scope, label)
 
     def spool_dir(self) -> str:
         """A private (0700) directory on the store's filesystem for temporary spools."""
-        with self._dir("spool", create=True):
+        with self._core.opened_dir("spool", create=True):
             pass
-        return self._path("spool")
+        return self._core.path("spool")
 
     def verify(self, entry: Entry, *, deep: bool = True, require: Collection[str] = ()) -> None:
         """Raise DataLoss unless everything ``entry`` is made of is present and intact.
@@ -160,12 +130,12 @@ class Reader(Catalog):
         (~1.5 GB/s), or a raw layer's files' sizes and, with ``deep``, their
         CRC-32s. ``require`` names layers that must be present.
         """
-        current = self._current(entry)
+        current = self._catalog.current(entry)
         names = {x.name for x in current.layers}
         for name in require:
             if name not in names:
                 raise errors.DataLoss(f"checkpoint {entry.id} has no {name!r} layer")
-        self._check(current, deep=deep)
+        self._catalog.check(current, deep=deep)
 
     # -- extracting --------------------------------------------------------------------
 
@@ -177,7 +147,7 @@ class Reader(Catalog):
         absolute paths and ``..`` are refused. The result appears at
         ``dest_dir`` by rename only when all is well: on error nothing is left.
         """
-        current = self._current(entry)
+        current = self._catalog.current(entry)
         layer = current.layer(name)
         dest = os.path.abspath(dest_dir)
         if os.path.lexists(dest) and (
@@ -219,8 +189,10 @@ class Reader(Catalog):
                 shutil.rmtree(tmp, ignore_errors=True)
 
     def _extract_blob(self, entry: Entry, layer: LayerInfo, dest: str) -> None:
-        describe = f"checkpoint {entry.id}: layer {layer.name!r} ({self._blob_path(layer.digest)})"
-        fd = self._open_blob(layer.digest, describe)
+        describe = (
+            f"checkpoint {entry.id}: layer {layer.name!r} ({self._core.blob_path(layer.digest)})"
+        )
+        fd = self._core.open_blob_fd(layer.digest, describe)
         try:
             extract_tar_zstd(fd, layer.digest, layer.blob_size, layer.tar_raw_size, dest, describe)
         finally:
@@ -233,27 +205,27 @@ class Reader(Catalog):
                 layer,
                 dest_fd,
                 self._open_chunk,
-                lambda chunk: self._describe_chunk(entry, layer, chunk),
+                lambda chunk: self._catalog.describe_chunk(entry, layer, chunk),
                 workers=_EXTRACT_WORKERS,
             )
         finally:
             os.close(dest_fd)
 
     def _open_chunk(self, chunk: Chunk, what: str) -> int:
-        return self._open_blob(chunk.digest, what)
+        return self._core.open_blob_fd(chunk.digest, what)
 
     def _raw_files(self, entry: Entry, name: str) -> tuple[FileList, str, str]:
         """(file list, raw dir path, description) of a raw layer."""
         what = f"checkpoint {entry.id}: layer {name!r}"
-        files = self._file_list(entry, name)
+        files = self._catalog.file_list(entry, name)
         if files is None:
             raise errors.DataLoss(f"{what}: no file list")
-        path = self._raw_path(entry.id, name)
+        path = self._catalog.raw_path(entry.id, name)
         return files, path, f"{what} ({path})"
 
     def _extract_raw(self, entry: Entry, name: str, dest: str) -> None:
         files, path, describe = self._raw_files(entry, name)
-        with self._raw_layer(entry.id, name, describe) as layer_fd:
+        with self._catalog.raw_layer(entry.id, name, describe) as layer_fd:
             if files.kind == "dir":
                 dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                 try:
@@ -279,13 +251,13 @@ class Reader(Catalog):
         again as it is decompressed; a raw file layer's tar is verified first (CRC-32); a raw
         dir layer's tar is made as it is read, each file checked as it goes.
         """
-        current = self._current(entry)
+        current = self._catalog.current(entry)
         current.layer(name)
         if current.state == "raw":
             stream = self._open_raw(current, name)
             if stream is not None:
                 return stream
-            current = self._current(entry)  # compacted meanwhile
+            current = self._catalog.current(entry)  # compacted meanwhile
         return self._open_blob_layer(current, current.layer(name))
 
     def layer_source(self, entry: Entry, name: str) -> BinaryIO | None:
@@ -294,11 +266,11 @@ class Reader(Catalog):
         None when the layer is compressed (use open_layer) or a directory. The
         file is open: a concurrent compaction deleting it does not matter.
         """
-        current = self._current(entry)
+        current = self._catalog.current(entry)
         current.layer(name)
         if current.state != "raw":
             return None
-        files = self._file_list(current, name)
+        files = self._catalog.file_list(current, name)
         if files is None or files.kind != "file":
             return None
         return self._open_raw(current, name)
@@ -307,13 +279,13 @@ class Reader(Catalog):
         """A raw layer's tar stream; None if compaction removed its files meanwhile."""
         files, path, describe = self._raw_files(entry, name)
         try:
-            with self._raw_layer(entry.id, name, describe) as layer_fd:
+            with self._catalog.raw_layer(entry.id, name, describe) as layer_fd:
                 if files.kind == "dir":
                     produce_fd = os.dup(layer_fd)
                 else:
                     fd = open_listed(layer_fd, files.files[0], path=path, describe=describe)
         except errors.DataLoss:
-            if self._current(entry).state == "compacted":
+            if self._catalog.current(entry).state == "compacted":
                 return None
             raise
         if files.kind == "dir":
@@ -335,11 +307,13 @@ class Reader(Catalog):
 
     def _open_blob_layer(self, entry: Entry, layer: LayerInfo) -> BinaryIO:
         """The layer's tar: its blob decompressed, followed by its split files if any."""
-        path = self._blob_path(layer.digest)
+        path = self._core.blob_path(layer.digest)
         describe = f"checkpoint {entry.id}: layer {layer.name!r} ({path})"
         if layer.chunks:
-            self._check_layer_blob(entry, layer, deep=True)  # chunks are checked up front too
-        fd = self._open_blob(layer.digest, describe)
+            self._catalog.check_layer_blob(
+                entry, layer, deep=True
+            )  # chunks are checked up front too
+        fd = self._core.open_blob_fd(layer.digest, describe)
         try:
             size = os.fstat(fd).st_size
             if size != layer.blob_size:
@@ -366,7 +340,7 @@ class Reader(Catalog):
                     stream,
                     layer,
                     self._open_chunk,
-                    lambda chunk: self._describe_chunk(entry, layer, chunk),
+                    lambda chunk: self._catalog.describe_chunk(entry, layer, chunk),
                     out,
                     what=describe,
                 )

@@ -39,6 +39,7 @@ from .model import Entry, RepairReport
 
 if TYPE_CHECKING:
     from .catalog import Catalog
+    from .core import StoreCore
 
 Found: TypeAlias = tuple[CheckpointRef, Entry]
 
@@ -76,10 +77,12 @@ def _our_manifest(blobs_fd: int, name: str) -> Descriptor | None:
     return Descriptor(MEDIA_TYPE_MANIFEST, digest, len(data), annotations)
 
 
-def _candidates(catalog: Catalog, dropped: list[tuple[str, str]]) -> dict[str, Found]:
+def _candidates(
+    core: StoreCore, catalog: Catalog, dropped: list[tuple[str, str]]
+) -> dict[str, Found]:
     """The best intact checkpoint found for each id."""
     found: dict[str, Found] = {}
-    with catalog._blobs() as blobs:
+    with core.opened_blobs() as blobs:
         names = sorted(os.listdir(blobs))
         descriptors = [d for d in (_our_manifest(blobs, n) for n in names) if d is not None]
     for desc in descriptors:
@@ -89,11 +92,11 @@ def _candidates(catalog: Catalog, dropped: list[tuple[str, str]]) -> dict[str, F
         except errors.DataLoss as err:
             dropped.append((what, str(err)))
             continue
-        entry = catalog._load_entry(ref)
+        entry = catalog.load_entry(ref)
         try:
             if entry.damage is not None:
                 raise errors.DataLoss(entry.damage)
-            catalog._check(entry, deep=False)
+            catalog.check(entry, deep=False)
         except errors.DataLoss as err:
             dropped.append((f"checkpoint {ref.id} ({what})", str(err)))
             continue
@@ -125,15 +128,17 @@ def _keep_damaged(root_fd: int) -> str | None:
     return None
 
 
-def rebuild(catalog: Catalog, reason: str) -> RepairReport:
+def rebuild(core: StoreCore, catalog: Catalog, reason: str) -> RepairReport:
     """Write a new index.json from the intact checkpoints found; the caller holds the lock."""
     dropped: list[tuple[str, str]] = []
-    found = sorted(_candidates(catalog, dropped).values(), key=lambda f: (f[0].created_at, f[0].id))
-    damaged = _keep_damaged(catalog._root_fd)
-    catalog._write_index(Index((), (), {}), [ref.descriptor for ref, _ in found])
+    found = sorted(
+        _candidates(core, catalog, dropped).values(), key=lambda f: (f[0].created_at, f[0].id)
+    )
+    damaged = _keep_damaged(core.root_fd)
+    core.write_index(Index((), (), {}), [ref.descriptor for ref, _ in found])
     return RepairReport(
-        catalog._index_path,
-        os.path.join(catalog.root, damaged) if damaged is not None else None,
+        core.index_path,
+        os.path.join(core.root, damaged) if damaged is not None else None,
         reason,
         tuple((ref.id, entry.state) for ref, entry in found),
         tuple(dropped),

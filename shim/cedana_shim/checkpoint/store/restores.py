@@ -43,7 +43,12 @@ def _bounded(value: Any) -> Any:
     return str(value)[:_VALUE_MAX]
 
 
-class RestoreRecords(StoreCore):
+class RestoreRecords:
+    """The store's restore records (see the module doc)."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
+
     def record_restore(self, checkpoint_id: str, record: Mapping[str, Any]) -> None:
         """Append ``record`` (flat: strings, numbers, booleans) to the checkpoint's
         restore records, durably."""
@@ -58,9 +63,9 @@ class RestoreRecords(StoreCore):
                 f"over {_LINE_MAX}"
             )
         name = f"{checkpoint_id}.jsonl"
-        path = self._path(RESTORES_DIR, name)
+        path = self._core.path(RESTORES_DIR, name)
         try:
-            with self._dir(RESTORES_DIR, create=True) as dir_fd:
+            with self._core.opened_dir(RESTORES_DIR, create=True) as dir_fd:
                 fd = self._open_append(dir_fd, name, path)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX)
@@ -78,7 +83,7 @@ class RestoreRecords(StoreCore):
                     os.close(fd)
                 os.fsync(dir_fd)
         except OSError as err:
-            raise self._os_error(err, f"recording a restore in {path}") from err
+            raise self._core.os_error(err, f"recording a restore in {path}") from err
 
     @staticmethod
     def _open_append(dir_fd: int, name: str, path: str) -> int:
@@ -99,16 +104,16 @@ class RestoreRecords(StoreCore):
             raise errors.InvalidArgument(why)
         found: list[dict[str, Any]] = []
         for name in (f"{checkpoint_id}.jsonl.old", f"{checkpoint_id}.jsonl"):
-            path = self._path(RESTORES_DIR, name)
+            path = self._core.path(RESTORES_DIR, name)
             try:
-                with self._dir(RESTORES_DIR) as dir_fd:
+                with self._core.opened_dir(RESTORES_DIR) as dir_fd:
                     data = fsutil.read_file_at(dir_fd, name, RECORD_FILE_MAX + _LINE_MAX, path=path)
             except FileNotFoundError:
                 continue
             except fsutil.TooLarge as err:
                 raise errors.DataLoss(str(err)) from None
             except OSError as err:
-                raise self._os_error(err, f"reading {path}") from err
+                raise self._core.os_error(err, f"reading {path}") from err
             for line in data.splitlines():
                 with contextlib.suppress(ValueError):
                     item = json.loads(line)

@@ -44,15 +44,29 @@ a ``lock`` file (crash during ``begin``) is garbage after INGEST_GRACE_S (5 min)
 Nothing under the root is reached through a symlink (fsutil.py); a damaged or
 missing index.json is rebuilt from the blobs by every write path and by
 ``repair`` (repair.py), while read paths report it.
+
+Parts: :class:`Store` builds one :class:`StoreCore` (core.py: the root fd,
+index.json and ``index.lock``, blob placement, the step hook) and gives it to
+every part, none of which inherits another: the failure and restore records
+(failures.py, restores.py), the :class:`Catalog` (catalog.py: list, get, and the
+entries, checks, index repair and sweep the other parts share), then the writer,
+the compactor, the reader, the raw images, maintenance and the adopter, each given
+the catalog (and the failure records, for retention and prune). Every part takes
+``index.lock`` through the core around its own index write, so the rules above
+hold whichever part writes. A consumer depends on the part it uses
+(``store.reader``, ``store.writer``, ...); ``commit`` is the facade's own.
 """
 
 from __future__ import annotations
 
 from .adopt import Adopter
+from .catalog import Catalog
 from .compactor import Compactor
+from .core import StoreCore
+from .failures import FailureRecords
 from .ingest import Ingest
 from .maintenance import Maintenance
-from .model import Entry
+from .model import Entry, StepHook, StoreConfig
 from .raw import RawImages
 from .reader import Reader
 from .restores import RestoreRecords
@@ -61,13 +75,37 @@ from .writer import Writer
 __all__ = ["Store"]
 
 
-class Store(Writer, Compactor, Reader, RawImages, Maintenance, Adopter, RestoreRecords):
+class Store:
+    """An opened store: its parts, each built on the one shared core (see the module doc).
+
+    A consumer takes the part it uses: ``writer`` (begin, abort, publish),
+    ``compactor``, ``catalog`` (list, get), ``reader`` (a restore's candidates,
+    verify, extract, stream), ``raw`` (raw images for CRIU), ``maintenance``
+    (remove, prune, gc, repair), ``adopter`` (blobs out, checkpoints in),
+    ``restore_records`` and ``failure_records``.
+    """
+
+    def __init__(self, config: StoreConfig, *, step_hook: StepHook | None = None) -> None:
+        self.config = config
+        # Held here too, so a part of one's own can be built on it (tests replace the writer).
+        self.core = core = StoreCore(config, step_hook=step_hook)
+        self.root = core.root
+        self.failure_records = FailureRecords(core)
+        self.restore_records = RestoreRecords(core)
+        self.catalog = Catalog(core, self.failure_records)
+        self.writer = Writer(core, self.catalog, self.failure_records)
+        self.compactor = Compactor(core, self.catalog)
+        self.reader = Reader(core, self.catalog)
+        self.raw = RawImages(core, self.catalog)
+        self.maintenance = Maintenance(core, self.catalog, self.failure_records)
+        self.adopter = Adopter(core, self.catalog)
+
     def commit(self, ingest: Ingest) -> Entry:
         """publish + compact, blocking: for callers with no background to compact in.
 
         If compaction fails (DataLoss, a full disk) the checkpoint stays
         published, raw, and the error is raised.
         """
-        entry = self.publish(ingest)
-        compacted = self.compact(entry.id)
+        entry = self.writer.publish(ingest)
+        compacted = self.compactor.compact(entry.id)
         return entry if compacted is None else compacted

@@ -26,7 +26,8 @@ from cedana_shim import errors
 
 from . import fsutil
 from .catalog import Catalog, newest_first
-from .failures import failed_last
+from .core import StoreCore
+from .failures import FailureRecords, failed_last
 from .filelist import FILE_LAYER_NAME, FileList, RawFile, dump_file_list
 from .ingest import (
     Ingest,
@@ -77,7 +78,14 @@ class _Staged:
         return fsutil.sha256_bytes(self.file_list)
 
 
-class Writer(Catalog):
+class Writer:
+    """Begins, aborts and publishes checkpoints (see the module doc)."""
+
+    def __init__(self, core: StoreCore, catalog: Catalog, failures: FailureRecords) -> None:
+        self._core = core
+        self._catalog = catalog
+        self._failures = failures  # retention drops the failed ones first
+
     def begin(self, *, scope: str, label: str, metadata: Mapping[str, Any]) -> Ingest:
         """Start a checkpoint: returns its staging area. Nothing is visible until publish."""
         for what, value in (("scope", scope), ("label", label)):
@@ -86,18 +94,20 @@ class Writer(Catalog):
         check_metadata(metadata)
         now = datetime.now(UTC)
         try:
-            self._index_repaired()
-            with self._dir("ingest") as ingest_root:
+            self._catalog.index_repaired()
+            with self._core.opened_dir("ingest") as ingest_root:
                 checkpoint_id, dir_fd, lock_fd = create_locked_dir(
                     ingest_root, new_checkpoint_id(now), {"scope": scope, "label": label}
                 )
         except OSError as err:
-            raise self._os_error(err, f"creating an ingest directory in {self.root}") from err
+            raise self._core.os_error(
+                err, f"creating an ingest directory in {self._core.root}"
+            ) from err
         return Ingest(
             self,
             self.abort,
             checkpoint_id,
-            self._path("ingest", checkpoint_id),
+            self._core.path("ingest", checkpoint_id),
             (dir_fd, lock_fd),
             scope=scope,
             label=label,
@@ -121,7 +131,7 @@ class Writer(Catalog):
         if not ingest._release.alive:
             return
         # Removed while still locked, so a concurrent gc keeps its hands off.
-        with contextlib.suppress(OSError), self._dir("ingest") as ingest_root:
+        with contextlib.suppress(OSError), self._core.opened_dir("ingest") as ingest_root:
             fsutil.remove_entry(ingest_root, ingest.id)
         ingest._release()
 
@@ -143,10 +153,10 @@ class Writer(Catalog):
         try:
             entry = self._publish(ingest, doing)
         except OSError as err:
-            raise self._os_error(err, f"{doing[0]} of checkpoint {ingest.id}") from err
+            raise self._core.os_error(err, f"{doing[0]} of checkpoint {ingest.id}") from err
         finally:
             self._discard(ingest)
-        with contextlib.suppress(OSError), self._dir("ingest") as ingest_root:
+        with contextlib.suppress(OSError), self._core.opened_dir("ingest") as ingest_root:
             sweep_ingests(ingest_root)
         return entry
 
@@ -159,12 +169,12 @@ class Writer(Catalog):
         with fsutil.opened_dir(ingest._dir_fd, "out", path=ingest.path, create=True) as out:
             config_digest, manifest_desc = self._write_documents(ingest, staged, out)
             doing[0] = "publishing (blobs and index.json)"
-            with self._index_lock():
-                self._step("index-locked")
-                index = self._index_for_write()
+            with self._core.index_lock():
+                self._core.step("index-locked")
+                index = self._catalog.index_for_write()
                 if any(r.id == ingest.id for r in index.checkpoints):
                     raise errors.Internal(
-                        f"checkpoint id {ingest.id} is already in {self._index_path}"
+                        f"checkpoint id {ingest.id} is already in {self._core.index_path}"
                     )
                 # No sweep here: unlinking the GiBs of a checkpoint dropped by retention
                 # (or of an older raw-image cache) would delay the stop; the compaction
@@ -173,7 +183,7 @@ class Writer(Catalog):
                     ingest, staged, out, index, (config_digest, manifest_desc)
                 )
         ref = parse_checkpoint_ref(manifest_desc, len(new_index.descriptors) - 1, "index.json")
-        return self._load_entry(ref)
+        return self._catalog.load_entry(ref)
 
     def _seal_layers(self, ingest: Ingest, doing: list[str]) -> list[_Staged]:
         staged: list[_Staged] = []
@@ -198,7 +208,7 @@ class Writer(Catalog):
                 cache = layer.kind == "dir" and layer.name in ingest.raw_layers
                 files = FileList(layer.name, layer.kind, layer.media_type, cache, tuple(entries))
                 staged.append(_Staged(layer, files, dump_file_list(files), parent, name))
-                self._step("layer-listed")
+                self._core.step("layer-listed")
         return staged
 
     @staticmethod
@@ -236,7 +246,7 @@ class Writer(Catalog):
         config_desc = Descriptor(
             MEDIA_TYPE_CONFIG, fsutil.sha256_bytes(config_bytes), len(config_bytes)
         )
-        self._step("config-written")
+        self._core.step("config-written")
         annotations = {
             ANN_ID: ingest.id,
             ANN_SCOPE: ingest.scope,
@@ -249,7 +259,7 @@ class Writer(Catalog):
         ]
         data = dump_manifest(annotations, config_desc, layers)
         fsutil.create_file_at(out, "manifest", data)
-        self._step("manifest-written")
+        self._core.step("manifest-written")
         digest = fsutil.sha256_bytes(data)
         return config_desc.digest, Descriptor(MEDIA_TYPE_MANIFEST, digest, len(data), annotations)
 
@@ -290,28 +300,28 @@ class Writer(Catalog):
         committed = False
         try:
             self._place_raw(ingest, staged)
-            self._step("raw-placed")
-            with self._blobs() as blobs:
+            self._core.step("raw-placed")
+            with self._core.opened_blobs() as blobs:
                 for i, s in enumerate(staged):
-                    self._place(out, f"list-{i}", blobs, s.digest, placed)
-                self._place(out, "config", blobs, config, placed)
+                    self._core.place(out, f"list-{i}", blobs, s.digest, placed)
+                self._core.place(out, "config", blobs, config, placed)
                 os.fsync(blobs)
-                self._step("blobs-placed")
-                self._place(out, "manifest", blobs, manifest.digest, placed)
+                self._core.step("blobs-placed")
+                self._core.place(out, "manifest", blobs, manifest.digest, placed)
                 os.fsync(blobs)
-                self._step("manifest-placed")
+                self._core.step("manifest-placed")
             drops = self._retention_drops(index, ingest.scope, ingest.label)
             descriptors = [d for d in index.descriptors if d.annotations.get(ANN_ID) not in drops]
             descriptors.append(manifest)
-            new_index = self._replace_index(index, descriptors, "index-temp-written")
+            new_index = self._core.replace_index(index, descriptors, "index-temp-written")
             committed = True
-            self._step("index-replaced")
-            os.fsync(self._root_fd)
-            self._step("committed")
+            self._core.step("index-replaced")
+            os.fsync(self._core.root_fd)
+            self._core.step("committed")
         except BaseException:
             if not committed:
-                self._unplace(placed)
-                with contextlib.suppress(OSError), self._dir("raw") as raw:
+                self._core.unplace(placed)
+                with contextlib.suppress(OSError), self._core.opened_dir("raw") as raw:
                     fsutil.remove_entry(raw, ingest.id)
             raise
         if drops:
@@ -323,16 +333,16 @@ class Writer(Catalog):
 
     def _place_raw(self, ingest: Ingest, staged: list[_Staged]) -> None:
         """Rename each sealed layer into raw/<id>/<layer> and make that durable."""
-        with self._dir("raw") as raw:
+        with self._core.opened_dir("raw") as raw:
             os.mkdir(ingest.id, 0o700, dir_fd=raw)
-            with fsutil.opened_dir(raw, ingest.id, path=self._path("raw")) as target:
+            with fsutil.opened_dir(raw, ingest.id, path=self._core.path("raw")) as target:
                 for s in staged:
                     with fsutil.opened_dir(ingest._dir_fd, *s.parent, path=ingest.path) as src:
                         if s.files.kind == "dir":
                             os.rename(s.name, s.layer.name, src_dir_fd=src, dst_dir_fd=target)
                             continue
                         os.mkdir(s.layer.name, 0o700, dir_fd=target)
-                        where = self._raw_path(ingest.id)
+                        where = self._catalog.raw_path(ingest.id)
                         with fsutil.opened_dir(target, s.layer.name, path=where) as layer:
                             os.rename(s.name, FILE_LAYER_NAME, src_dir_fd=src, dst_dir_fd=layer)
                             os.fsync(layer)
@@ -341,10 +351,10 @@ class Writer(Catalog):
 
     def _retention_drops(self, index: Index, scope: str, label: str) -> set[str]:
         """Ids to drop so that, with the checkpoint being published, `retain` remain."""
-        keep = self.config.retain
+        keep = self._core.config.retain
         if keep == 0:
             return set()
         group = newest_first(r for r in index.checkpoints if (r.scope, r.label) == (scope, label))
         # Never a good checkpoint dropped for one that failed: those go first.
-        failed = self.failures()
+        failed = self._failures.failures()
         return {r.id for r in failed_last(group, lambda r: r.id in failed)[keep - 1 :]}
