@@ -175,15 +175,19 @@ def test_a_refused_restore_by_hand_is_failed() -> None:
 def test_background_records_say_what_the_checkpoint_says_of_itself(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     entry = publish(store, "web", scope="team-a")
-    push = background_record(store, oplog.PUSH, "done", entry.id, 2.0, {"push": 2.0})
+    push = background_record(store.catalog, oplog.PUSH, "done", entry.id, 2.0, {"push": 2.0})
     assert (push.namespace, push.label, push.checkpoint_id) == ("team-a", "web", entry.id)
     assert (push.size_bytes, push.raw_bytes, push.duration_seconds) == (0, 0, 2.0)
 
     compacted = store.compactor.compact(entry.id)
     assert compacted is not None
-    done = background_record(store, oplog.COMPACTION, "done", entry.id, 1.0, {"compress": 1.0})
+    done = background_record(
+        store.catalog, oplog.COMPACTION, "done", entry.id, 1.0, {"compress": 1.0}
+    )
     assert done.size_bytes == compacted.size
     assert done.raw_bytes == sum(layer.raw_size for layer in compacted.layers) > 0
 
-    gone = background_record(store, oplog.PUSH, "failed", "0" * 26, 0.5, {}, detail="HTTP 500")
+    gone = background_record(
+        store.catalog, oplog.PUSH, "failed", "0" * 26, 0.5, {}, detail="HTTP 500"
+    )
     assert (gone.namespace, gone.label, gone.detail) == ("", "", "HTTP 500")

@@ -270,7 +270,7 @@ class Delivery:
         ``_compact`` does (called in the push's thread)."""
         _log_compacted(entry, seconds)
         record = op_records.background_record(
-            self.store, oplog.COMPACTION, "done", entry.id, seconds, {"compress": seconds},
+            self.store.catalog, oplog.COMPACTION, "done", entry.id, seconds, {"compress": seconds},
             entry=entry,
         )  # fmt: skip
         oplog.write(self.store.root, record)
@@ -324,7 +324,7 @@ class Delivery:
         def write() -> None:
             for checkpoint_id, error in done:
                 record = op_records.background_record(
-                    self.store, kind, outcome, checkpoint_id, total, phases,
+                    self.store.catalog, kind, outcome, checkpoint_id, total, phases,
                     entry=entry, detail=error,
                 )  # fmt: skip
                 oplog.write(self.store.root, record)

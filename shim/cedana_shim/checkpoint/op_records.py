@@ -6,15 +6,21 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import ShimError
 from . import oplog
 from .policy import Policy
 from .restore import RestoreReport
-from .store import Entry, Store
+from .store import Entry
 
 CRI_SANDBOX_UID = "io.kubernetes.cri.sandbox-uid"  # the pod's uid, for its Events
+
+
+class CheckpointLookup(Protocol):
+    """What a background record reads of the store: a checkpoint by id (its catalog)."""
+
+    def get(self, checkpoint_id: str) -> Entry: ...
 
 
 def pod_uid(spec: Mapping[str, Any]) -> str:
@@ -99,7 +105,7 @@ def restore_record(
 
 
 def background_record(
-    store: Store,
+    checkpoints: CheckpointLookup,
     kind: str,
     outcome: str,
     checkpoint_id: str,
@@ -113,7 +119,7 @@ def background_record(
     checkpoint says of itself is enough. Blocking (reads the store)."""
     if entry is None:
         with contextlib.suppress(ShimError, OSError):  # deleted meanwhile: counted all the same
-            entry = store.catalog.get(checkpoint_id)
+            entry = checkpoints.get(checkpoint_id)
     compacted = kind == oplog.COMPACTION and outcome == "done" and entry is not None
     return oplog.OpRecord(
         kind=kind,

@@ -16,7 +16,7 @@ from .admin_common import format_local, human_size, render_table, utcnow
 from .admin_store import get_entry, list_item, open_store, raw_images_text, restore_with, write_json
 
 if TYPE_CHECKING:
-    from cedana_shim.checkpoint.store import Entry, Store
+    from cedana_shim.checkpoint.store import Entry, RestoreRecords
 
 # Keys of the checkpoint config that `inspect` shows in their own sections; any
 # other key is printed under "Other metadata" so nothing is ever hidden.
@@ -205,7 +205,7 @@ def _what_verified(entry: Entry) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     store = open_store(args)
     entry = get_entry(store, args.id)
-    restores = _restores(store, entry)
+    restores = _restores(store.restore_records, entry)
     verify_error: str | None = None
     if args.verify:
         try:
@@ -230,10 +230,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _restores(store: Store, entry: Entry) -> list[dict[str, Any]]:
+def _restores(records: RestoreRecords, entry: Entry) -> list[dict[str, Any]]:
     """What was restored from ``entry``; unreadable records are said, not fatal."""
     try:
-        return store.restore_records.restores(entry.id)
+        return records.restores(entry.id)
     except (errors.ShimError, OSError) as err:
         sys.stderr.write(f"cedana: cannot read the restore records of {entry.id}: {err}\n")
         return []

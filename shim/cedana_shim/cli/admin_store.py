@@ -26,7 +26,7 @@ from .admin_common import (
 )
 
 if TYPE_CHECKING:
-    from cedana_shim.checkpoint.store import Entry, RepairReport, Store
+    from cedana_shim.checkpoint.store import Entry, Reader, RepairReport, Store
     from cedana_shim.config import NodeConfig
 
 DEFAULT_CONFIG = "/etc/cedana/shim.toml"
@@ -158,13 +158,13 @@ def restore_with(checkpoint_id: str) -> dict[str, str]:
     }
 
 
-def quick_damage(store: Store, entry: Entry) -> str | None:
+def quick_damage(reader: Reader, entry: Entry) -> str | None:
     """What is known cheaply to be wrong with ``entry``: an unreadable manifest or
     config, a blob or raw file missing or of the wrong size (no hashing)."""
     if entry.damage is not None:
         return entry.damage
     try:
-        store.reader.verify(entry, deep=False)
+        reader.verify(entry, deep=False)
     except errors.DataLoss as err:
         return str(err)
     return None
@@ -222,7 +222,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.quiet:
         sys.stdout.write("".join(f"{e.id}\n" for e in entries))
         return 0
-    checked = [(e, quick_damage(store, e)) for e in entries]
+    checked = [(e, quick_damage(store.reader, e)) for e in entries]
     if args.json:
         write_json([list_item(e, damage) for e, damage in checked])
     elif not entries:

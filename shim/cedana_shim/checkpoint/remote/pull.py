@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Final
 
 from cedana_shim import errors
-from cedana_shim.checkpoint.store import Adoption, Entry, Store, fsutil
+from cedana_shim.checkpoint.store import Adopter, Adoption, Entry, fsutil
 from cedana_shim.checkpoint.store.adopt import manifest_blobs
 from cedana_shim.checkpoint.store.layout import (
     ANN_CREATED,
@@ -115,20 +115,20 @@ def check_sizes(manifest: Manifest, where: str) -> None:
             )
 
 
-def _free_bytes(store: Store) -> int:
+def _free_bytes(root: str) -> int:
     try:
-        return fsutil.free_bytes(store.root)
+        return fsutil.free_bytes(root)
     except OSError as err:
-        raise errors.Internal(f"checking free space in {store.root}: {err}") from err
+        raise errors.Internal(f"checking free space in {root}: {err}") from err
 
 
-def _check_space(store: Store, need: int, remote: RemoteCheckpoint) -> int:
+def _check_space(root: str, need: int, remote: RemoteCheckpoint) -> int:
     """The bytes free beyond ``need`` and the margin; ResourceExhausted if there are none."""
-    free = _free_bytes(store)
+    free = _free_bytes(root)
     if need + FREE_MARGIN_BYTES > free:
         raise errors.ResourceExhausted(
             f"pulling checkpoint {remote.checkpoint_id} ({remote.ref}) needs {need} bytes in "
-            f"{store.root}, which has {free} free; nothing was downloaded. Free space there "
+            f"{root}, which has {free} free; nothing was downloaded. Free space there "
             "(`cedana checkpoints prune`) and retry"
         )
     return free - need - FREE_MARGIN_BYTES
@@ -155,16 +155,16 @@ class _Meter:
 
 
 def pull_into(
-    store: Store, client: Registry, remote: RemoteCheckpoint, progress: Progress | None
+    adopter: Adopter, client: Registry, remote: RemoteCheckpoint, progress: Progress | None
 ) -> Entry:
     """See the module doc; the entry as the local store has it afterwards."""
     data, manifest, ref = read_manifest(client, remote)
     where = f"registry {client.host}: {remote.repository}:{remote.tag}"
     check_sizes(manifest, where)
     blobs = manifest_blobs(manifest)
-    with store.adopter.begin_adoption(remote.checkpoint_id) as adoption:
+    with adopter.begin_adoption(remote.checkpoint_id) as adoption:
         missing = {d: s for d, s in blobs.items() if not adoption.link_existing(d, s)}
-        spare = _check_space(store, sum(missing.values()), remote)
+        spare = _check_space(adopter.root, sum(missing.values()), remote)
         meter = _Meter(sum(missing.values()), progress)
         cdesc = manifest.config
         if cdesc.digest in missing:
@@ -188,7 +188,7 @@ def pull_into(
                 for future in futures:
                     future.cancel()
                 raise
-        return store.adopter.adopt(adoption, data)
+        return adopter.adopt(adoption, data)
 
 
 def _download(

@@ -295,7 +295,7 @@ class RemoteStore:
             return self.store.catalog.get(remote.checkpoint_id)
         except errors.NotFound:
             pass
-        return pull_into(self.store, self.client, remote, progress)
+        return pull_into(self.store.adopter, self.client, remote, progress)
 
     # -- prune --------------------------------------------------------------------------
 
