@@ -6,13 +6,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ShimError
 from . import oplog
 from .policy import Policy
-from .restore import RestoreReport
 from .store import Entry
+
+if TYPE_CHECKING:
+    from .restore import RestoreReport
 
 CRI_SANDBOX_UID = "io.kubernetes.cri.sandbox-uid"  # the pod's uid, for its Events
 
