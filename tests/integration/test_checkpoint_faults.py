@@ -1033,31 +1033,29 @@ def test_failed_restore_falls_back_at_start(
 # -- SIGKILL during a restore ------------------------------------------------------------------
 
 
-def _restoring_criu(cid: str) -> set[int]:
-    """CRIU restore processes (and the tasks they are recreating) for this container.
-
-    Found below the `runc restore` of this container: CRIU's own command line names
-    only the image directory, which may be the store's cache rather than the bundle.
-    """
+def _restore_of(cid: str) -> set[int]:
+    """The `runc restore` of this container and everything below it (CRIU, its action
+    scripts, the tasks restored so far)."""
     listing = procs.list_processes()
     runcs = {p.pid for p in listing if "restore" in p.argv and p.argv and p.argv[-1] == cid}
-    below = procs.descendants(runcs, listing)
-    return {
-        p.pid
-        for p in listing
-        if p.argv and p.argv[0].startswith("criu") and (p.pid in below or cid in " ".join(p.argv))
-    }
+    return runcs | procs.descendants(runcs, listing)
 
 
 def test_sigkill_wins_over_a_restore_in_progress(
     fresh_containerd: Containerd, new_id: NewId
 ) -> None:
-    """A restore that takes long (a big checkpoint; here CRIU is held with SIGSTOP) must
-    not make the container unkillable: `ctr task kill -s SIGKILL` (kubelet's StopPodSandbox
-    does the same) returns promptly and the task ends, instead of waiting for the restore
-    (up to restore_timeout, 10 minutes by default), and no cgroup of it is left behind."""
+    """A restore that takes long (a big checkpoint; here CRIU is held at pre-restore by an
+    action script) must not make the container unkillable: `ctr task kill -s SIGKILL`
+    (kubelet's StopPodSandbox does the same) returns promptly and the task ends, instead of
+    waiting for the restore (up to restore_timeout, 10 minutes by default), and no cgroup
+    of it is left behind.
+
+    Held by a script, not by SIGSTOP on the first CRIU seen: runc runs CRIU twice (first to
+    ask its version), and a stopped version query never lets the restore begin."""
     c = fresh_containerd
+    hold = criu_hold(c, "pre-restore")
     with (
+        hold,
         EventStream(c.socket) as events,
         Workloads(
             c,
@@ -1069,6 +1067,7 @@ def test_sigkill_wins_over_a_restore_in_progress(
         TaskKiller(c.socket, CTR_NAMESPACE) as tasks,
     ):
         good, _ = _stop_with_checkpoint(w, w.start("a"), events)
+        hold.arm()
         cid = new_id("b")
         w.started.append(Box(cid, w.logs / f"{cid}.log"))
         run = w.ctr.popen(
@@ -1077,20 +1076,14 @@ def test_sigkill_wins_over_a_restore_in_progress(
                 flags=("-d", "--env", f"CEDANA_CHECKPOINT={w.label}"),
             )
         )  # fmt: skip
-        held: set[int] = set()
+        restoring: set[int] = set()
         try:
-            criu = wait_for(lambda: _restoring_criu(cid), timeout=20, interval=0.002, what="CRIU")
-            kill_all(criu, signal.SIGSTOP)
-            held = criu | _restoring_criu(cid)
-            kill_all(held, signal.SIGSTOP)
+            hold.wait_held()
+            restoring = _restore_of(cid)
             spec = json.loads((c.bundle(CTR_NAMESPACE, cid) / "config.json").read_text())
             cgroups_path = spec["linux"]["cgroupsPath"]
-            # runc makes them once CRIU has started (it moves CRIU into them).
-            wait_for(
-                lambda: procs.container_cgroups(cgroups_path),
-                timeout=10,
-                what="runc restore to make the container's cgroups",
-            )
+            # runc made them before it sent CRIU the restore request.
+            assert procs.container_cgroups(cgroups_path), "runc restore made no cgroups"
             started = time.monotonic()
             try:
                 tasks.kill(cid, signal.SIGKILL, timeout=10)
@@ -1099,8 +1092,7 @@ def test_sigkill_wins_over_a_restore_in_progress(
                 error = exc
             elapsed = time.monotonic() - started
         finally:
-            kill_all(held | _restoring_criu(cid), signal.SIGKILL)
-            kill_all(held, signal.SIGCONT)
+            kill_all(restoring | _restore_of(cid), signal.SIGKILL)
         assert error is None and elapsed < 5, (
             f"SIGKILL during a restore took {elapsed:.1f}s and returned {error!r}: "
             "Kill waits for the process lock that Start holds for the whole restore"
