@@ -48,7 +48,8 @@ add_suite() {
 criu_ok() { [[ -x /usr/local/sbin/criu ]] && /usr/local/sbin/criu --version 2>/dev/null | grep -qE 'Version: (4\.([2-9]|[1-9][0-9])|[5-9])'; }
 need_update=0
 if [[ ! -x $DEPS_DIR/containerd-1.7/usr/bin/containerd || ! -x $DEPS_DIR/containerd-2.1/usr/bin/containerd \
-      || ! -d $DEPS_DIR/cri-api/usr || ! -d $DEPS_DIR/containerd-api/usr ]] || ! criu_ok; then
+      || ! -d $DEPS_DIR/cri-api/usr || ! -d $DEPS_DIR/containerd-api/usr \
+      || ! -x $DEPS_DIR/checkpointctl/usr/bin/checkpointctl || ! -d $DEPS_DIR/libc6-trixie/usr ]] || ! criu_ok; then
   add_suite trixie && need_update=1 || true
   add_suite sid && need_update=1 || true
   ((need_update)) && apt-get update -qq || true
@@ -70,6 +71,15 @@ unpack_deb trixie golang-github-containerd-containerd-dev "$DEPS_DIR/containerd-
 unpack_deb trixie golang-github-kubernetes-cri-api-dev "$DEPS_DIR/cri-api"
 unpack_deb trixie containerd "$DEPS_DIR/containerd-1.7"
 unpack_deb sid containerd "$DEPS_DIR/containerd-2.1"
+# The oracle of the Kubernetes checkpoint archive tests (tests/integration/test_cri_archive.py):
+# trixie's build needs glibc 2.38, so it runs through trixie's own loader and libc,
+# unpacked beside it (bookworm's libc stays the system's).
+unpack_deb trixie checkpointctl "$DEPS_DIR/checkpointctl"
+unpack_deb trixie libc6 "$DEPS_DIR/libc6-trixie"
+printf '#!/bin/sh\nlib=%s\nexec "$lib/ld-linux-x86-64.so.2" --library-path "$lib" %s "$@"\n' \
+  "$DEPS_DIR/libc6-trixie/usr/lib/x86_64-linux-gnu" "$DEPS_DIR/checkpointctl/usr/bin/checkpointctl" \
+  >"$DEPS_DIR/checkpointctl/checkpointctl"
+chmod 0755 "$DEPS_DIR/checkpointctl/checkpointctl"
 
 if ! criu_ok; then
   log "building CRIU from sid's source tarball"

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from cedana_shim import __version__, errors
 
-from . import admin_remote
+from . import admin_archive, admin_remote
 from .admin_common import ROOT_HINT, CliError, is_root
 
 PROG = "cedana"
@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints",
         parents=[common],
         formatter_class=_Formatter,
-        help="list, inspect, remove, prune and repair stored checkpoints",
+        help="list, inspect, remove, prune, repair, export and import stored checkpoints",
         description=(
             "Work with the checkpoints in this node's store. NAMESPACE is the scope of a\n"
             "label: the pod's Kubernetes namespace, or the containerd namespace outside\n"
@@ -294,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--json", action="store_true", help="print the report as JSON")
     rp.set_defaults(handler=_handler("repair"))
     admin_remote.register(sub, common, _Formatter)  # list --remote, push, pull, sync
+    admin_archive.register(sub, common, _Formatter)  # export, import
     return parser
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Mapping
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -85,3 +86,29 @@ def restore_stats(work_dir: str) -> dict[str, float | int]:
         "pages_compared": r.pages_compared,
         "pages_skipped_cow": r.pages_skipped_cow,
     }
+
+
+def encode_dump_stats(figures: Mapping[str, Any]) -> bytes:
+    """The ``stats-dump`` image that :func:`dump_stats` read ``figures`` from, for tools
+    that read CRIU's own (a Kubernetes checkpoint archive carries it); the times are
+    back in microseconds, to the precision they were kept with."""
+    from ..api.criu import stats_pb2
+
+    def number(key: str) -> int:
+        value = figures.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            return 0
+        return round(value * 1e6) if key.endswith("_s") else int(value)
+
+    dump = stats_pb2.DumpStats(
+        freezing_time=number("freezing_s"),
+        frozen_time=number("frozen_s"),
+        memdump_time=number("memdump_s"),
+        memwrite_time=number("memwrite_s"),
+        pages_scanned=number("pages_scanned"),
+        pages_skipped_parent=number("pages_skipped_parent"),
+        pages_written=number("pages_written"),
+        pages_lazy=number("pages_lazy"),
+    )
+    body = stats_pb2.Stats(dump=dump).SerializeToString()
+    return HEADER.pack(IMG_SERVICE_MAGIC, STATS_MAGIC, len(body)) + body

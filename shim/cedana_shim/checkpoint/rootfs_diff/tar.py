@@ -19,9 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO, Final
 
-from cedana_shim import errors
-
-from .types import Limits, refuse
+from .types import ArchiveCorrupt, Limits, refuse
 
 __all__ = ["DIR", "LNK", "REG", "SYM", "Member", "TarWriter", "read_members"]
 
@@ -66,10 +64,11 @@ class Member:
     xattrs: tuple[tuple[bytes, bytes], ...]
 
 
-def _corrupt(offset: int, what: str) -> errors.DataLoss:
-    return errors.DataLoss(
-        f"rootfs diff archive is corrupt at byte {offset}: {what}; "
-        "the checkpoint is damaged, restore from an earlier one"
+def _corrupt(offset: int, what: str) -> ArchiveCorrupt:
+    detail = f"corrupt at byte {offset}: {what}"
+    return ArchiveCorrupt(
+        f"rootfs diff archive is {detail}; the checkpoint is damaged, restore from an earlier one",
+        detail,
     )
 
 
@@ -359,8 +358,8 @@ class TarWriter:
             self._pad(len(payload))
         self._put(_ustar(name, typeflag, mode, uid, gid, size, max(mtime, 0), linkname))
 
-    def content(self, src_fd: int, size: int) -> int:
-        """Copy exactly ``size`` bytes of ``src_fd`` (from offset 0) as the member's data.
+    def content(self, src_fd: int, size: int, offset: int = 0) -> int:
+        """Copy exactly ``size`` bytes of ``src_fd`` (from ``offset``) as the member's data.
 
         A file that shrank while being read is padded with zeros so the archive
         stays well formed; returns how many bytes really came from the file.
@@ -368,25 +367,25 @@ class TarWriter:
         got = 0
         if size <= _SMALL_FILE or self._fd is None:
             while got < size:
-                chunk = os.pread(src_fd, min(size - got, _CHUNK), got)
+                chunk = os.pread(src_fd, min(size - got, _CHUNK), offset + got)
                 if not chunk:
                     break
                 self._put(chunk)
                 got += len(chunk)
         else:
             self._flush()
-            got = self._copy_fd(src_fd, self._fd, size)
+            got = self._copy_fd(src_fd, self._fd, size, offset)
             self._written += got
         if got < size:
             self._put(bytes(size - got))
         self._pad(size)
         return got
 
-    def _copy_fd(self, src: int, dst: int, size: int) -> int:
+    def _copy_fd(self, src: int, dst: int, size: int, offset: int) -> int:
         got = 0
         while got < size and self._kernel_copy:
             try:
-                n = os.copy_file_range(src, dst, size - got, got)
+                n = os.copy_file_range(src, dst, size - got, offset + got)
             except OSError as err:
                 if err.errno not in _FALLBACK_ERRNOS:
                     raise
@@ -396,7 +395,7 @@ class TarWriter:
                 return got
             got += n
         while got < size:
-            chunk = os.pread(src, min(size - got, _CHUNK), got)
+            chunk = os.pread(src, min(size - got, _CHUNK), offset + got)
             if not chunk:
                 break
             _write_all(dst, chunk)

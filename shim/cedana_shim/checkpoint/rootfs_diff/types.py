@@ -126,11 +126,30 @@ def os_error(err: OSError, doing: str) -> errors.ShimError:
     return cls(f"rootfs diff: {doing}{where}: {os.strerror(code)}{hint}")
 
 
-def refuse(name: bytes, rule: str) -> errors.InvalidArgument:
+class ArchiveRefused(errors.InvalidArgument):
+    """A member breaks a rule; ``detail`` names the member and the rule alone, for a
+    caller that reads a tar of another kind (a checkpoint archive) to word its own."""
+
+    def __init__(self, message: str, detail: str) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+class ArchiveCorrupt(errors.DataLoss):
+    """The archive itself is damaged (``detail``: where and how)."""
+
+    def __init__(self, message: str, detail: str) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+def refuse(name: bytes, rule: str) -> ArchiveRefused:
     """An archive member breaking ``rule``: the whole archive is refused unapplied."""
-    return errors.InvalidArgument(
-        f"rootfs diff refused, nothing was applied: member {show(name)!r} {rule}. The "
-        "archive is damaged or crafted; restore from another checkpoint or start afresh"
+    detail = f"member {show(name)!r} {rule}"
+    return ArchiveRefused(
+        f"rootfs diff refused, nothing was applied: {detail}. The "
+        "archive is damaged or crafted; restore from another checkpoint or start afresh",
+        detail,
     )
 
 
