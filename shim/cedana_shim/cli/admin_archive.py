@@ -115,7 +115,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     from .admin_store import open_store, restore_with
 
-    store = open_store(args)
+    store = open_store(args, create=True)
     name = os.path.basename(args.archive)
     try:
         entry = import_archive(

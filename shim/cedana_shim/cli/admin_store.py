@@ -48,16 +48,19 @@ def store_path(args: argparse.Namespace, config: NodeConfig) -> str:
     return os.path.abspath(explicit or config.store_path)
 
 
-def open_store(args: argparse.Namespace) -> Store:
+def open_store(args: argparse.Namespace, *, create: bool = False) -> Store:
     """The store, or a CliError that says what is wrong with it and what to do.
 
-    Never creates a store: every command here only reads or trims an existing one.
+    Creates a missing store only with ``create`` (an import brings the node its first
+    checkpoint, as a shim would): the other commands read or trim an existing one.
     """
     config = node_config(args)
     path = store_path(args, config)
     try:
         st = os.stat(path)
     except FileNotFoundError:
+        if create:
+            return _new_store(config, path)
         if getattr(args, "store", None):
             raise CliError(f"checkpoint store {path} does not exist (--store)") from None
         where = getattr(args, "config", None) or os.environ.get("CEDANA_CONFIG") or DEFAULT_CONFIG
@@ -79,6 +82,10 @@ def open_store(args: argparse.Namespace) -> Store:
             f"checkpoint store {path} belongs to uid {st.st_uid} and holds process memory, "
             f"so only its owner may read it: {ROOT_HINT}"
         )
+    return _new_store(config, path)
+
+
+def _new_store(config: NodeConfig, path: str) -> Store:
     from cedana_shim.checkpoint.store import Store, StoreConfig
 
     try:

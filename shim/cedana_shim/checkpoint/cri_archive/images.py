@@ -3,9 +3,10 @@
 CRIU itself refuses malformed images at restore, but a store lists only what can be
 restored: so an import checks what can be checked without CRIU. The images a restore
 needs are there (``inventory.img``, ``pstree.img``); every ``*.img`` but the raw ones
-(``pages-*.img``, the tmpfs tarballs) starts with CRIU's magic (the inventory's own); every pagemap decodes,
-names a pages image of exactly the size its present runs need, and has no run in a
-parent dump (an archive stands alone); no pages image is left that no pagemap names.
+(``pages-*.img``, the tmpfs tarballs) starts with CRIU's magic (the inventory with its
+own); every pagemap decodes, names a pages image of exactly the size its present runs
+need, and has no run in a parent dump (an archive stands alone); no pages image is left
+that no pagemap names.
 """
 
 from __future__ import annotations
