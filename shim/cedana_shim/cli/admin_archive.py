@@ -34,12 +34,22 @@ def register(
             "--export`, CRI-O and Podman write (checkpoint/ with CRIU's images, config.dump,\n"
             "spec.dump, status.dump, stats-dump, dump.log, rootfs-diff.tar, deleted.files):\n"
             "`checkpointctl show` and `checkpointctl inspect` read it. The file (mode 0600:\n"
-            "it holds the process's memory) appears only once complete."
+            "it holds the process's memory) appears only once complete. --image pushes it\n"
+            "instead as a one-layer checkpoint image (org.criu.checkpoint.* annotations) to\n"
+            "the registry of the node config, with its credentials and CA."
         ),
-        epilog="example:\n  cedana checkpoints export 20261129T183000Z-3f9a1c2b -o counter.tar",
+        epilog=(
+            "examples:\n  cedana checkpoints export 20261129T183000Z-3f9a1c2b -o counter.tar\n"
+            "  cedana checkpoints export 20261129T183000Z-3f9a1c2b "
+            "--image registry.example:5000/forensics/counter:v1"
+        ),
     )
     exp.add_argument("id", metavar="ID", help="checkpoint id (or a unique prefix)")
-    exp.add_argument("-o", "--output", metavar="FILE", required=True, help="the archive to write")
+    where = exp.add_mutually_exclusive_group(required=True)
+    where.add_argument("-o", "--output", metavar="FILE", help="the archive to write")
+    where.add_argument(
+        "--image", metavar="REF", help="push as image host[:port]/repository[:tag] instead"
+    )
     exp.add_argument("--json", action="store_true", help="print the result as a JSON object")
     exp.set_defaults(handler=_lazy("cmd_export"))
     imp = sub.add_parser(
@@ -95,17 +105,33 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     store = open_store(args)
     entry = get_entry(store, args.id)
+    say = _steps(f"exporting {entry.id}")
+    target = args.output or os.path.join(store.reader.spool_dir(), f"{entry.id}.image.tar")
     try:
-        done = export_archive(store, entry, args.output, _steps(f"exporting {entry.id}"))
+        done = export_archive(store, entry, target, say)
+        if args.image:
+            from cedana_shim.checkpoint.cri_archive.oci_image import push_image
+
+            from .admin_store import node_config
+
+            if say is not None:
+                say(f"pushing {args.image}")
+            try:
+                digest = push_image(node_config(args), args.image, entry, done.path)
+            finally:
+                os.unlink(done.path)
     except OSError as err:
-        raise CliError(f"exporting checkpoint {entry.id} to {args.output}: {err}") from None
+        raise CliError(f"exporting checkpoint {entry.id} to {target}: {err}") from None
     except errors.ShimError as err:
         raise CliError(f"exporting checkpoint {entry.id}: {err}") from None
-    if args.json:
-        doc = {"id": entry.id, "archive": done.path, "size": done.size, "images": done.images}
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    doc: dict[str, object] = {"id": entry.id, "size": done.size, "images": done.images}
+    if args.image:
+        doc.update(image=args.image, digest=digest)
+        line = f"{args.image}@{digest} ({human_size(done.size)}, {done.images} CRIU images)"
     else:
-        sys.stdout.write(f"{done.path} ({human_size(done.size)}, {done.images} CRIU images)\n")
+        doc.update(archive=done.path)
+        line = f"{done.path} ({human_size(done.size)}, {done.images} CRIU images)"
+    sys.stdout.write(json.dumps(doc, indent=2) + "\n" if args.json else line + "\n")
     return 0
 
 
