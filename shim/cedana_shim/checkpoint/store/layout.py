@@ -93,6 +93,9 @@ ANN_ID: Final = "cedana.ai/checkpoint.id"
 ANN_SCOPE: Final = "cedana.ai/checkpoint.scope"
 ANN_LABEL: Final = "cedana.ai/checkpoint.label"
 ANN_CREATED: Final = "org.opencontainers.image.created"
+# On a checkpoint's descriptor in index.json only (never in its manifest, so a pin
+# changes no digest): "true" exempts it from retention and prune (the dashboard's pin).
+ANN_PINNED: Final = "cedana.ai/checkpoint.pinned"
 ANN_TITLE: Final = "org.opencontainers.image.title"
 ANN_CHUNK_FILE: Final = "cedana.ai/chunk.file"
 ANN_CHUNK_OFFSET: Final = "cedana.ai/chunk.offset"
@@ -300,6 +303,10 @@ class CheckpointRef:
     created_at: datetime
     descriptor: Descriptor
     position: int  # in index.json: commit order, the tie-breaker for equal times
+
+    @property
+    def pinned(self) -> bool:
+        return self.descriptor.annotations.get(ANN_PINNED) == "true"
 
 
 @dataclass(frozen=True)

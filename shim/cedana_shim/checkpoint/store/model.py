@@ -127,6 +127,7 @@ class Entry:
     damage: str | None = None
     state: State = "compacted"  # meaningless when damaged
     raw_bytes: int = 0  # raw images kept for it: a raw checkpoint's, or the cache
+    pinned: bool = False  # exempt from retention (Maintenance.pin)
 
     def layer(self, name: str) -> LayerInfo:
         for layer in self.layers:
@@ -146,6 +147,7 @@ class Entry:
             "size": self.size,
             "state": None if self.damage else self.state,
             "rawBytes": self.raw_bytes,
+            "pinned": self.pinned,
             "layers": [
                 {
                     "name": x.name,
