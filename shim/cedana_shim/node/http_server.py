@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import http
+import json
 import logging
 import socket
 import threading
@@ -201,7 +202,8 @@ class HttpServer:
 
 
 def _text(status: int, message: str) -> Response:
-    return Response(status, (message + "\n").encode(), "text/plain; charset=utf-8")
+    """The server's own refusals, shaped as the APIs it serves answer theirs."""
+    return Response(status, json.dumps({"error": message}).encode())
 
 
 def _listen(address: str, port: int) -> socket.socket:
