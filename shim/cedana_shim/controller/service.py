@@ -77,6 +77,7 @@ class Dashboard:
             | {r.get("namespace") or "" for r in records}
             | {w["namespace"] for w in work},
         )
+        _mark_registry(checkpoints, states)
         sees_nodes = self.access.can(who, "", NODES)
         return {
             "namespaces": sorted(ns),
@@ -94,6 +95,7 @@ class Dashboard:
         checkpoints = [
             c for c in views.merged_checkpoints(lists, records) if c.get("namespace") == namespace
         ]
+        _mark_registry(checkpoints, states)
         labels = sorted({c.get("label") or "" for c in checkpoints} - {""})
         if label:
             checkpoints = [c for c in checkpoints if c.get("label") == label]
@@ -346,6 +348,13 @@ class Dashboard:
         if found is None:
             raise NotFoundError(f"no pod {pod} in namespace {namespace}")
         return found
+
+
+def _mark_registry(checkpoints: list[dict[str, Any]], states: list[dict[str, Any]]) -> None:
+    """Give each checkpoint ``registry``: where its nodes push ("" when none does)."""
+    registries = {s.get("node"): s.get("registry") or "" for s in states}
+    for c in checkpoints:
+        c["registry"] = next((registries[n] for n in c["nodes"] if registries.get(n)), "")
 
 
 def _node_of(pod: dict[str, Any], namespace: str, name: str) -> str:

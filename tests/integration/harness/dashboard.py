@@ -86,11 +86,12 @@ def agent(
     port: int,
     *,
     containerd_socket: Path | None = None,
+    store: str = "/store",
     extra_config: str = "",
 ) -> Iterator[Proc]:
     """`cedana node run` for ``node`` with ``host_root`` as its host's root, whose
-    node config names the store ``<host_root>/store``; its helper pod registered."""
-    (host_root / "shim.toml").write_text(f'store_path = "/store"\n{extra_config}')
+    node config names the store ``<host_root><store>``; its helper pod registered."""
+    (host_root / "shim.toml").write_text(f'store_path = "{store}"\n{extra_config}')
     kube.add_node(node)
     kube.add_pod(helper_pod(node, ip))
     argv = [

@@ -123,7 +123,7 @@ function checkpointRows(list, after) {
   return list.map((c) => [
     checkpointLink(c.id), c.namespace, c.label, c.pod || "", c.created, bytes(c.size),
     secs(c.durationSeconds), c.nodes.join(", "),
-    c.pendingPush ? "pending push" : "", c.pinned ? "pinned" : "",
+    c.registry ? (c.pendingPush ? "push pending" : "pushed") : "none", c.pinned ? "pinned" : "",
     checkpointActions(c, after),
   ]);
 }
@@ -183,7 +183,7 @@ async function clusterView() {
         onclick: () => migrate(w.namespace, w.pod),
       }, "Migrate")),
   ]), "No pod in your namespaces opts in (CEDANA_CHECKPOINT or CEDANA_ENABLE)."));
-  parts.push(h("div", { id: "operation" }));
+  parts.push(h("div", { id: "operation" }, lastOperation ? operationBox(lastOperation) : []));
   parts.push(h("h2", {}, "Checkpoints"));
   parts.push(table("Checkpoints in the namespaces you may see", CHECKPOINT_HEADERS,
     checkpointRows(doc.checkpoints, refresh), "No checkpoints yet."));
@@ -295,13 +295,10 @@ async function migrate(ns, pod) {
     say(`Migrating ${ns}/${pod} failed: ${err.message}`, true);
     return;
   }
-  const box = $("#operation");
   const draw = (o) => {
-    box.replaceChildren(h("h2", {}, `Migration of ${o.target}`),
-      h("ol", { class: "steps", "aria-label": "Migration steps" }, o.steps.map((s) =>
-        h("li", { class: s.state, title: s.detail }, `${s.name}: ${s.state}`))),
-      h("p", { class: o.state === "failed" ? "bad" : "muted" },
-        o.state === "failed" ? o.error : o.steps.filter((s) => s.detail).map((s) => s.detail).join(" · ")));
+    lastOperation = o;
+    const box = $("#operation");
+    if (box) box.replaceChildren(...operationBox(o));
     say(`Migration of ${o.target}: ${o.state}`, o.state === "failed");
   };
   draw(op);
@@ -310,6 +307,20 @@ async function migrate(ns, pod) {
     try { op = await api("GET", `/api/v1/operations/${op.id}`); } catch (err) { say(err.message, true); return; }
     draw(op);
   }
+  // The pod moved: show the cluster as it is now (the steps stay on the page).
+  if ((location.hash || "#/cluster") === "#/cluster") await clusterView().catch(() => {});
+  say(`Migration of ${op.target}: ${op.state}`, op.state === "failed");
+}
+
+let lastOperation = null;
+
+// A migration's steps: checkpoint, push, evict, rescheduled, resumed.
+function operationBox(o) {
+  return [h("h2", {}, `Migration of ${o.target}`),
+    h("ol", { class: "steps", "aria-label": "Migration steps" }, o.steps.map((s) =>
+      h("li", { class: s.state, title: s.detail }, `${s.name}: ${s.state}`))),
+    h("p", { class: o.state === "failed" ? "bad" : "muted" },
+      o.state === "failed" ? o.error : o.steps.filter((s) => s.detail).map((s) => s.detail).join(" · "))];
 }
 
 async function route() {
