@@ -10,7 +10,12 @@ here), which answers TokenReview and SubjectAccessReview from RBAC-like rules.
 * pin and delete act on the real stores of every node holding the checkpoint, and are
   audited: a line in the controller's log and an Event on the pod, naming the user;
 * a node agent answers the controller's ServiceAccount only: no token, a user's
-  token, or a forged one are refused.
+  token, or a forged one are refused;
+* a policy saved through the API (a ConfigMap) is applied by the node agent that
+  runs the pods it selects: it pins the newest checkpoint of their label in the real
+  store, and the policies view shows what it covers and what was done; a malformed
+  policy is refused with the rule it breaks, and a user without `update configmaps`
+  may not save one.
 The containerd-backed flows (checkpoint now, migrate) and the browser are in
 test_dashboard.py.
 """
@@ -59,7 +64,7 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
     kube.add_token(BOB, "bob@example.com")
     kube.allow(
         "alice@example.com",
-        *namespace_rules("team-a", ("get", "pods"), ("update", "pods")),
+        *namespace_rules("team-a", ("get", "pods"), ("update", "pods"), ("update", "configmaps")),
         Rule("*", "list", "nodes"),
     )
     kube.allow("bob@example.com", *namespace_rules("team-b", ("get", "pods")))
@@ -69,6 +74,17 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
     store_a, store_b = open_store(roots["a"] / "store"), open_store(roots["b"] / "store")
     team_a = commit_checkpoint(store_a, {"pages-1.img": b"a" * 4096}, label="web", scope="team-a")
     team_b = commit_checkpoint(store_b, {"pages-1.img": b"b" * 4096}, label="db", scope="team-b")
+    # The pod the team-a checkpoint came from, on node A, opted in.
+    env = [{"name": "CEDANA_CHECKPOINT", "value": "web"}]
+    kube.add_pod(
+        {
+            "metadata": {"name": "trainer-0", "namespace": "team-a", "labels": {"app": "web"}},
+            "spec": {
+                "nodeName": "node-a",
+                "containers": [{"name": "trainer", "image": "x", "env": env}],
+            },
+        }
+    )
     port = free_port()
     try:
         with (
@@ -161,3 +177,33 @@ def test_a_node_agent_answers_the_controller_only(setup: Setup) -> None:
     assert status == 200 and [c["id"] for c in doc["checkpoints"]] == [setup.team_b]
     with contextlib.suppress(KeyError):
         assert setup.store_b.catalog.get(setup.team_b) is not None
+
+
+def test_a_policy_saved_through_the_api_is_applied_by_the_node_agent(setup: Setup) -> None:
+    path = "/api/v1/namespaces/team-a/policies/keep-latest"
+    status, doc = setup.ctl.call("POST", path, BOB, {"selector": "app=web"})
+    assert status == 403 and "may not update configmaps in namespace team-a" in doc["error"]
+    status, doc = setup.ctl.call("POST", path, ALICE, {"selector": "app=web", "retain": "0"})
+    assert status == 400 and "retain '0' must be a whole number from 1" in doc["error"]
+    status, doc = setup.ctl.call(
+        "POST", path, ALICE, {"selector": "app=web", "pinLatest": "1", "interval": ""}
+    )
+    assert status == 200 and doc["pinLatest"] == 1, doc
+    saved = setup.kube.state.config_maps[("team-a", "keep-latest")]
+    assert saved["data"] == {"selector": "app=web", "pinLatest": "1"}
+    assert saved["metadata"]["labels"] == {"cedana.ai/policy": "true"}
+
+    wait_for(
+        lambda: setup.store_a.catalog.get(setup.team_a).pinned_by == "policy",
+        timeout=30,
+        what="node A's agent to pin the newest checkpoint for the policy",
+    )
+    status, doc = setup.ctl.call("GET", "/api/v1/namespaces/team-a/policies", ALICE)
+    assert status == 200, doc
+    [policy] = doc["policies"]
+    assert policy["covers"] == ["trainer-0/trainer"] and policy["error"] == ""
+    [applied] = [a for a in policy["applied"] if a["node"] == "node-a"]
+    assert applied["covered"] == ["trainer-0/trainer"]
+    assert f"pinned {setup.team_a}" in applied["actions"]
+    reasons = [(e["reason"], e["involvedObject"]) for e in setup.kube.events_by("CedanaPolicy")]
+    assert [r[1]["kind"] for r in reasons] == ["ConfigMap"]

@@ -169,6 +169,7 @@ CONTROLLER_RULES = {
     ("", "pods", ("create", "get", "list")),
     ("", "pods/eviction", ("create",)),
     ("", "events", ("create",)),
+    ("", "configmaps", ("create", "get", "list", "update")),
 }
 
 
@@ -218,7 +219,9 @@ def test_the_controller_renders_with_only_the_rbac_it_uses(helm: list[str]) -> N
     )
     assert {"name": "agent-api", "containerPort": 9465, "protocol": "TCP"} in helper["ports"]
     helper_role = named[("ClusterRole", "rel-cedana-helper")]
-    assert ("authentication.k8s.io", "tokenreviews", ("create",)) in _rules(helper_role)
+    helper_rules = _rules(helper_role)
+    assert ("authentication.k8s.io", "tokenreviews", ("create",)) in helper_rules
+    assert {("", "configmaps", ("list",)), ("", "pods", ("list",))} <= helper_rules  # policies
 
     off = render(helm, "--set", "controller.enabled=false")
     assert not [d for d in off if "controller" in d["metadata"]["name"]]

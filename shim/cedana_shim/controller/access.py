@@ -10,6 +10,7 @@ checkpoint now, pin,      ``update pods``
 delete a checkpoint
 start a copy of a pod     ``create pods``
 migrate a pod             ``create pods/eviction``
+edit a namespace policy   ``update configmaps``
 see the nodes             ``list nodes`` (cluster-wide)
 ========================  =========================================
 """
@@ -44,6 +45,7 @@ CHANGE: Final = Need("update", "pods")
 COPY: Final = Need("create", "pods")
 MIGRATE: Final = Need("create", "pods", "eviction")
 NODES: Final = Need("list", "nodes")
+POLICIES: Final = Need("update", "configmaps")
 
 
 class Denied(Exception):

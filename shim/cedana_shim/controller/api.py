@@ -16,6 +16,8 @@ POST /api/v1/checkpoints/ID/copy                    a new pod restored from it
 POST /api/v1/namespaces/NS/pods/POD/checkpoint  {"container"?}  checkpoint now
 POST /api/v1/namespaces/NS/pods/POD/migrate         202: an operation to poll
 GET  /api/v1/operations/OP                          an operation's steps
+GET  /api/v1/namespaces/NS/policies                 policies, what they cover, how applied
+POST /api/v1/namespaces/NS/policies/NAME  {"selector", "interval", "retain", "pinLatest"}
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ _ROUTES: Final = [
     ("POST", re.compile(rf"/api/v1/namespaces/{_NAME}/pods/{_NAME}/checkpoint"), "checkpoint_now"),
     ("POST", re.compile(rf"/api/v1/namespaces/{_NAME}/pods/{_NAME}/migrate"), "migrate"),
     ("GET", re.compile(r"/api/v1/operations/(op-[0-9]+)"), "operation"),
+    ("GET", re.compile(rf"/api/v1/namespaces/{_NAME}/policies"), "policies"),
+    ("POST", re.compile(rf"/api/v1/namespaces/{_NAME}/policies/{_NAME}"), "save_policy"),
 ]
 
 log = logging.getLogger("cedana.controller")
@@ -125,7 +129,11 @@ class ControllerApi:
                 return _json(201, d.copy(who, first))
             if name == "operation":
                 return _json(200, d.operation(who, first))
+            if name == "policies":
+                return _json(200, d.policies(who, first))
             namespace, pod = first, str(groups[2])
+            if name == "save_policy":
+                return _json(200, d.save_policy(who, namespace, pod, body))
             if name == "checkpoint_now":
                 return _json(
                     200, d.checkpoint_now(who, namespace, pod, str(body.get("container") or ""))

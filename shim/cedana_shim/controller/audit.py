@@ -23,11 +23,19 @@ class Audit:
         self._api = api
 
     def record(
-        self, user: str, action: str, namespace: str, pod: str, outcome: str, detail: str
+        self,
+        user: str,
+        action: str,
+        namespace: str,
+        pod: str,
+        outcome: str,
+        detail: str,
+        kind: str = "Pod",
     ) -> None:
+        """``pod``: the name of the object the Event goes on (a ``kind``, Pod by default)."""
         log.info(
-            "audit user=%s action=%s namespace=%s pod=%s outcome=%s detail=%s",
-            user, action, namespace, pod, outcome, detail,
+            "audit user=%s action=%s namespace=%s %s=%s outcome=%s detail=%s",
+            user, action, namespace, kind.lower(), pod, outcome, detail,
         )  # fmt: skip
         if not pod:
             return
@@ -39,7 +47,7 @@ class Audit:
             "apiVersion": "v1",
             "kind": "Event",
             "metadata": {"name": f"{pod}.cedana-{uuid.uuid4().hex[:12]}", "namespace": namespace},
-            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": namespace,
+            "involvedObject": {"apiVersion": "v1", "kind": kind, "namespace": namespace,
                                "name": pod},
             "type": "Normal" if outcome in ("done", "requested") else "Warning",
             "reason": "Cedana" + "".join(p.capitalize() for p in action.split("-")),

@@ -25,6 +25,10 @@ class ClusterApi(Protocol):
 
     def create_event(self, namespace: str, event: dict[str, Any]) -> None: ...
 
+    def list_policies(self) -> list[dict[str, Any]]: ...
+
+    def save_config_map(self, namespace: str, config_map: dict[str, Any]) -> None: ...
+
 
 class ControllerKube(KubernetesApi):
     """``ClusterApi`` over the official client."""
@@ -104,4 +108,30 @@ class ControllerKube(KubernetesApi):
             name,
             namespace,
             body,
+        )
+
+    def save_config_map(self, namespace: str, config_map: dict[str, Any]) -> None:
+        """Create the ConfigMap, or replace the one of that name."""
+        name = config_map["metadata"]["name"]
+        try:
+            self._call(
+                f"GET configmap {name} in {namespace}",
+                self._core.read_namespaced_config_map,
+                name,
+                namespace,
+            )
+        except Missing:
+            self._call(
+                f"POST configmap {name} in {namespace}",
+                self._core.create_namespaced_config_map,
+                namespace,
+                config_map,
+            )
+            return
+        self._call(
+            f"PUT configmap {name} in {namespace}",
+            self._core.replace_namespaced_config_map,
+            name,
+            namespace,
+            config_map,
         )

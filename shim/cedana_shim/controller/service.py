@@ -9,9 +9,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Final
 
+from ..node import policies
 from ..node.kube import Identity, KubeError
 from . import views
-from .access import CHANGE, COPY, MIGRATE, NODES, SEE, Access, Denied
+from .access import CHANGE, COPY, MIGRATE, NODES, POLICIES, SEE, Access, Denied
 from .agents import AgentError, AgentRef, Agents
 from .audit import Audit
 from .kube import ClusterApi
@@ -136,6 +137,61 @@ class Dashboard:
         if op is None or not (op.user == who.user or self.access.can(who, op.namespace, SEE)):
             raise NotFoundError(f"no operation {op_id} (operations are kept an hour)")
         return op.to_json()
+
+    def policies(self, who: Identity, namespace: str) -> dict[str, Any]:
+        """The namespace's policies, the workloads each covers (from the API server's
+        pods) and how each node agent applied it."""
+        self.access.require(who, namespace, SEE)
+        states, _ = self.agents.gather("/v1/node")
+        pods = self.api.all_pods(namespace)
+        out = []
+        for config_map in self.api.list_policies():
+            meta = config_map.get("metadata") or {}
+            if meta.get("namespace") != namespace:
+                continue
+            key = f"{namespace}/{meta.get('name')}"
+            item: dict[str, Any] = {"name": meta.get("name"), "data": config_map.get("data") or {}}
+            try:
+                policy = policies.from_config_map(config_map)
+                item["policy"] = policy.to_json()
+                item["covers"] = [
+                    f"{(p.get('metadata') or {}).get('name')}/{c['name']}"
+                    for p in pods
+                    if policies.selects(
+                        policy.selector, (p.get("metadata") or {}).get("labels") or {}
+                    )
+                    for c in policies.opted_in(p)
+                ]
+                item["error"] = ""
+            except policies.PolicyError as err:
+                item.update(policy=None, covers=[], error=str(err))
+            item["applied"] = [
+                a for s in states for a in s.get("policies") or () if a.get("policy") == key
+            ]
+            out.append(item)
+        return {"namespace": namespace, "policies": sorted(out, key=lambda p: str(p["name"]))}
+
+    def save_policy(
+        self, who: Identity, namespace: str, name: str, data: dict[str, Any]
+    ) -> dict[str, Any]:
+        self.access.require(who, namespace, POLICIES)
+        clean = {k: str(v) for k, v in data.items() if v is not None and str(v).strip()}
+        try:
+            policy = policies.parse(namespace, name, clean)
+        except policies.PolicyError as err:
+            raise ValueError(str(err)) from None
+        try:
+            self.api.save_config_map(namespace, policies.to_config_map(policy, clean))
+        except KubeError as err:
+            self.audit.record(
+                who.user, "policy", namespace, name, "failed", str(err), kind="ConfigMap"
+            )
+            raise
+        self.audit.record(
+            who.user, "policy", namespace, name, "done",
+            ", ".join(f"{k}={v}" for k, v in clean.items()) or "(empty)", kind="ConfigMap",
+        )  # fmt: skip
+        return policy.to_json()
 
     # -- actions -----------------------------------------------------------------------
 

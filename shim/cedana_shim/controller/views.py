@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-OPT_IN_ENV = ("CEDANA_CHECKPOINT", "CEDANA_ENABLE")
-OPT_IN_ANNOTATION = "cedana.ai/checkpoint"
+from ..node.policies import opted_in
 
 
 def merged_checkpoints(
@@ -44,23 +43,10 @@ def all_records(states: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(found, key=lambda r: float(r.get("time") or 0), reverse=True)
 
 
-def protected(pod: dict[str, Any]) -> list[dict[str, str]]:
-    """The pod's opted-in containers with their label ("" for CEDANA_ENABLE)."""
-    spec = pod.get("spec") or {}
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    found = []
-    for container in spec.get("containers") or ():
-        env = {e.get("name"): e.get("value") or "" for e in container.get("env") or ()}
-        label = env.get("CEDANA_CHECKPOINT") or annotations.get(OPT_IN_ANNOTATION) or ""
-        if label or "CEDANA_ENABLE" in env:
-            found.append({"name": str(container.get("name")), "label": str(label)})
-    return found
-
-
 def workloads(pods: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for pod in pods:
-        containers = protected(pod)
+        containers = opted_in(pod)
         if not containers:
             continue
         meta = pod.get("metadata") or {}

@@ -9,7 +9,8 @@ A token's review is remembered for :data:`REVIEW_TTL` seconds (by its SHA-256), 
 the controller's polling costs one TokenReview a minute, not one a request.
 
 GET  /v1/node         the node: taint decision, store use, registry, pending pushes,
-                      the operations finished lately (checkpoints, restores, failures)
+                      the operations finished lately (checkpoints, restores, failures),
+                      how each namespace policy was applied here (node/policies.py)
 GET  /v1/checkpoints  the checkpoints in this node's store
 POST /v1/checkpoint   {"namespace", "pod", "container", "leaveRunning"}: checkpoint now
 POST /v1/pin          {"id", "pinned"}: exempt from retention, or end that
@@ -87,6 +88,7 @@ class AgentApi:
     take_checkpoint: Callable[[str, bool], dict[str, Any]]  # (container id, leave running)
     registry: Callable[[], str] = lambda: ""
     taint: Callable[[], dict[str, Any] | None] = lambda: None
+    policies: Callable[[], list[dict[str, Any]]] = lambda: []  # how each was applied here
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
 
     def __call__(self, request: Request) -> Response:
@@ -153,6 +155,7 @@ class AgentApi:
             "registry": self.registry(),
             "pendingPushes": pending,
             "recent": list(self.history),
+            "policies": self.policies(),
         }
 
     def checkpoints(self) -> dict[str, Any]:

@@ -463,7 +463,7 @@ def _run_helper(args: argparse.Namespace) -> int:
 
         push_pending(HostRoot(opts.host_root), opts.shim_config)
 
-    history = _agent_api(args, api, opts, controller)
+    history = _agent_api(args, api, opts, controller, stop)
     in_background(
         _observer(args, api, opts, history), interval=args.interval, stop=stop, name="observer"
     )
@@ -478,9 +478,10 @@ def _run_helper(args: argparse.Namespace) -> int:
     )
 
 
-def _agent_api(args: argparse.Namespace, api: Any, opts: Any, taints: Any) -> Any:
-    """Start the agent's API for the controller (``--agent-port``); returns the
-    history of finished operations that the observer fills (and the API shows)."""
+def _agent_api(args: argparse.Namespace, api: Any, opts: Any, taints: Any, stop: Any) -> Any:
+    """Start the agent's API for the controller (``--agent-port``) and the namespace
+    policies' applier beside it; returns the history of finished operations that the
+    observer fills (and the API shows)."""
     from collections import deque
 
     from .agent_api import HISTORY, AgentApi, TokenCheck
@@ -488,7 +489,9 @@ def _agent_api(args: argparse.Namespace, api: Any, opts: Any, taints: Any) -> An
     from .hostfs import HostRoot
     from .http_server import HttpServer
     from .installer import socket_path
+    from .manager import in_background
     from .ops_spool import node_store
+    from .policies import PolicyApplier
     from .report import NodeError
     from .shim_checkpoint import ShimCallError, checkpoint, shim_address
 
@@ -537,16 +540,21 @@ def _agent_api(args: argparse.Namespace, api: Any, opts: Any, taints: Any) -> An
         last = taints.last
         return None if last is None else {"tainted": last.tainted, "reasons": list(last.reasons)}
 
+    def store() -> Any:
+        return node_store(host, opts.shim_config)
+
+    applier = PolicyApplier(api, args.node_name, store, find_container, take)
     handler = AgentApi(
         node=args.node_name,
         tokens=TokenCheck(api),
         controller_user=args.controller_user,
-        store=lambda: node_store(host, opts.shim_config),
+        store=store,
         find_container=find_container,
         take_checkpoint=take,
         registry=registry,
         taint=taint,
         history=history,
+        policies=lambda: [dict(v) for v in applier.status.values()],
     )
     try:
         server = HttpServer(handler, args.agent_address, args.agent_port, name="agent-api")
@@ -557,6 +565,7 @@ def _agent_api(args: argparse.Namespace, api: Any, opts: Any, taints: Any) -> An
         ) from None
     server.start()
     logging.getLogger("cedana.node").info("agent API on %s", server.url)
+    in_background(applier.round, interval=args.interval, stop=stop, name="policies")
     return history
 
 

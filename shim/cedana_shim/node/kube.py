@@ -176,3 +176,12 @@ class KubernetesApi:
             tuple(str(g) for g in user.get("groups") or ()),
             str(user.get("uid") or ""),
         )
+
+    def list_policies(self) -> list[dict[str, Any]]:
+        """The checkpoint policies of every namespace (node/policies.py)."""
+        found = self._call(
+            "LIST configmaps",
+            self._core.list_config_map_for_all_namespaces,
+            label_selector="cedana.ai/policy=true",
+        )
+        return [self._plain(c) for c in found.items]

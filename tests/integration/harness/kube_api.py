@@ -45,6 +45,7 @@ class KubeState:
     tokens: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
     rules: dict[str, list[Rule]] = field(default_factory=dict)
     pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    config_maps: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
     evictions: list[tuple[str, str]] = field(default_factory=list)
@@ -71,7 +72,7 @@ class FakeKubeApi:
             def _answer(self, method: str) -> None:
                 url = urlsplit(self.path)
                 query = {k: v[0] for k, v in parse_qs(url.query).items()}
-                body = self._body() if method in ("POST", "PATCH") else None
+                body = self._body() if method in ("POST", "PATCH", "PUT") else None
                 code, doc = owner.handle(method, url.path, query, body, self.headers)
                 data = json.dumps(doc).encode()
                 self.send_response(code)
@@ -88,6 +89,9 @@ class FakeKubeApi:
 
             def do_PATCH(self) -> None:
                 self._answer("PATCH")
+
+            def do_PUT(self) -> None:
+                self._answer("PUT")
 
             def do_DELETE(self) -> None:
                 self._answer("DELETE")
@@ -217,6 +221,23 @@ class FakeKubeApi:
             if hook is not None:
                 threading.Thread(target=hook, args=(m[1], m[2]), daemon=True).start()
             return 201, _status(201, "evicted", "Success")
+        if method == "GET" and path == "/api/v1/configmaps":
+            items = [copy.deepcopy(c) for c in s.config_maps.values() if _selected(c, query)]
+            return 200, {"apiVersion": "v1", "kind": "ConfigMapList", "metadata": {},
+                         "items": items}  # fmt: skip
+        if (m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/configmaps", path)) and method == "POST":
+            if (m[1], body["metadata"]["name"]) in s.config_maps:
+                return 409, _status(409, "already exists")
+            body["metadata"]["namespace"] = m[1]
+            s.config_maps[(m[1], body["metadata"]["name"])] = body
+            return 201, body
+        if m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/configmaps/([^/]+)", path):
+            if (m[1], m[2]) not in s.config_maps:
+                return 404, _status(404, f'configmaps "{m[2]}" not found')
+            if method == "PUT":
+                body["metadata"]["namespace"] = m[1]
+                s.config_maps[(m[1], m[2])] = body
+            return 200, s.config_maps[(m[1], m[2])]
         if method == "POST" and re.fullmatch(r"/api/v1/namespaces/([^/]+)/events", path):
             s.events.append(body)
             return 201, body

@@ -42,8 +42,9 @@ class Maintenance:
             lambda index: {checkpoint_id} & {r.id for r in index.checkpoints} or None, checkpoint_id
         )
 
-    def pin(self, checkpoint_id: str, pinned: bool = True) -> None:
-        """Exempt the checkpoint from retention and prune (``pinned``), or end that.
+    def pin(self, checkpoint_id: str, pinned: bool = True, *, by_policy: bool = False) -> None:
+        """Exempt the checkpoint from retention and prune (``pinned``), or end that;
+        ``by_policy`` marks the pin as a namespace policy's (node/policies.py).
         Only its descriptor in index.json changes: its manifest and blobs stay as
         they are, and a compaction carries the annotation over."""
         if (why := check_checkpoint_id(checkpoint_id)) is not None:
@@ -56,7 +57,9 @@ class Maintenance:
                         f"checkpoint {checkpoint_id} not found in {self._core.root}"
                     )
                 descriptors = [
-                    _with_pin(d, pinned) if d.annotations.get(ANN_ID) == checkpoint_id else d
+                    _with_pin(d, pinned, by_policy)
+                    if d.annotations.get(ANN_ID) == checkpoint_id
+                    else d
                     for d in index.descriptors
                 ]
                 self._core.write_index(index, descriptors)
@@ -142,8 +145,8 @@ class Maintenance:
             raise self._core.os_error(err, f"repairing {self._core.index_path}") from err
 
 
-def _with_pin(desc: Descriptor, pinned: bool) -> Descriptor:
+def _with_pin(desc: Descriptor, pinned: bool, by_policy: bool) -> Descriptor:
     annotations = {k: v for k, v in desc.annotations.items() if k != ANN_PINNED}
     if pinned:
-        annotations[ANN_PINNED] = "true"
+        annotations[ANN_PINNED] = "policy" if by_policy else "true"
     return replace(desc, annotations=annotations)

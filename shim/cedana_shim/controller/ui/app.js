@@ -252,11 +252,57 @@ async function namespaceView(ns, label) {
     h("h2", {}, "Checkpoints"),
     table(`Checkpoints of ${ns}`, CHECKPOINT_HEADERS, checkpointRows(doc.checkpoints, refresh),
       "No checkpoints in this namespace."),
+    h("h2", {}, "Policies"),
+    await policiesSection(ns, refresh),
     h("h2", {}, "Restores and fall-backs"),
     table("Restores the node agents remember", ["When", "Node", "Pod", "Outcome", "From",
       "Took", "Passed over"], doc.timeline.restores.map((r) => [when(r.time), r.node, r.pod,
       r.outcome, r.checkpointId ? checkpointLink(r.checkpointId) : "", secs(r.durationSeconds),
       r.skipped.join("; ") || r.detail]), "No restores lately."));
+}
+
+async function policiesSection(ns, refresh) {
+  const doc = await api("GET", `/api/v1/namespaces/${ns}/policies`);
+  const field = (id, label, hint) => h("p", {},
+    h("label", { for: id }, label), " ",
+    h("input", { id, name: id, "aria-describedby": `${id}-hint` }), " ",
+    h("span", { id: `${id}-hint`, class: "muted" }, hint));
+  const form = h("form", { id: "policy-form", "aria-label": "Edit a policy" },
+    field("policy-name", "Name", "a ConfigMap name, e.g. nightly"),
+    field("policy-selector", "Selector", "pod labels, e.g. app=trainer (empty: every pod)"),
+    field("policy-interval", "Interval", "e.g. 10m: a checkpoint when the newest is older"),
+    field("policy-retain", "Retain", "keep the newest N per label on each node"),
+    field("policy-pin", "Pin latest", "pin the newest N per label"),
+    h("button", { type: "submit" }, "Save policy"));
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const v = (id) => form.querySelector(`#${id}`).value.trim();
+    const name = v("policy-name");
+    await act(`Saving policy ${name}`, () => api("POST", `/api/v1/namespaces/${ns}/policies/${name}`, {
+      selector: v("policy-selector"), interval: v("policy-interval"), retain: v("policy-retain"),
+      pinLatest: v("policy-pin"),
+    }), refresh);
+  });
+  const edit = (p) => {
+    form.querySelector("#policy-name").value = p.name;
+    form.querySelector("#policy-selector").value = p.data.selector || "";
+    form.querySelector("#policy-interval").value = p.data.interval || "";
+    form.querySelector("#policy-retain").value = p.data.retain || "";
+    form.querySelector("#policy-pin").value = p.data.pinLatest || "";
+    form.querySelector("#policy-selector").focus();
+  };
+  const rows = doc.policies.map((p) => [
+    p.name, p.data.selector || "(every pod)", p.data.interval || "", p.data.retain || "",
+    p.data.pinLatest || "", p.error ? h("span", { class: "bad" }, p.error) : p.covers.join(", ") || "nothing",
+    h("ul", { class: "applied" }, p.applied.map((a) => h("li", {},
+      `${a.node}: `, a.error ? h("span", { class: "bad" }, a.error)
+        : `${a.covered.length} covered; ${a.actions.slice(-3).join("; ") || "nothing to do yet"}`))),
+    h("button", { type: "button", "aria-label": `Edit policy ${p.name}`, onclick: () => edit(p) }, "Edit"),
+  ]);
+  return h("div", {},
+    table(`Policies of ${ns}`, ["Policy", "Selector", "Interval", "Retain", "Pin latest",
+      "Covers", "Applied", ""], rows, "No policy in this namespace."),
+    form);
 }
 
 async function checkpointView(id) {
