@@ -19,9 +19,11 @@ A user whose RBAC allows namespace team-a only signs in with a token, sees team-
 not team-b, checkpoints a running counter, pins that checkpoint (pinned in node A's
 real store), opens the namespace and checkpoint views, migrates the pod to node B
 (the page shows the steps; the new pod resumes the count from the registry) and
-deletes the pinned checkpoint (gone from node A's store). Each action left an Event
-naming the user. Screenshots of every view are kept (CEDANA_TEST_ARTIFACTS, default
-/tmp/cedana-test-artifacts, under dashboard/).
+deletes the pinned checkpoint (gone from node A's store), then types a policy into
+the namespace view (every 10 s, pin the latest) and sees node B's agent apply it to
+the migrated pod (a new checkpoint, pinned as the policy's in B's real store). Each
+action left an Event naming the user. Screenshots of every view are kept
+(CEDANA_TEST_ARTIFACTS, default /tmp/cedana-test-artifacts, under dashboard/).
 """
 
 from __future__ import annotations
@@ -137,7 +139,11 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
     kube.allow(
         USER,
         *namespace_rules(
-            "team-a", ("get", "pods"), ("update", "pods"), ("create", "pods/eviction")
+            "team-a",
+            ("get", "pods"),
+            ("update", "pods"),
+            ("create", "pods/eviction"),
+            ("update", "configmaps"),
         ),
         Rule("*", "list", "nodes"),
     )
@@ -250,11 +256,49 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
             assert taken not in {e.id for e in node_store(a).catalog.list()}
             page.screenshot(shots / "7-deleted.png")
 
+            # A policy, typed into the namespace view's form: node B's agent applies it
+            # to the migrated pod (a checkpoint, as the newest is older than 10 s; pinned).
+            page.eval("location.hash = '#/ns/team-a'")
+            page.wait("document.querySelector('#policy-form') !== null", what="the policy form")
+            for field, value in (
+                ("#policy-name", "every-10s"),
+                ("#policy-selector", "app=counter"),
+                ("#policy-interval", "10s"),
+                ("#policy-pin", "1"),
+            ):
+                page.click(field)
+                page.type(value)
+            page.press("Enter")
+            wait_status(page, "Saving policy every-10s: done")
+
+            def policy_pin() -> str:
+                pinned = [
+                    e for e in node_store(b).catalog.list(label=label) if e.pinned_by == "policy"
+                ]
+                return pinned[0].id if pinned else ""
+
+            # Within 10 s of the restored checkpoint the policy pins that one; then it
+            # takes a checkpoint of its own and moves its pin there.
+            pinned = wait_for(
+                lambda: (found := policy_pin()) not in ("", restored) and found,
+                timeout=90,
+                what="node B's agent to checkpoint counter-1 for the policy and pin it",
+            )
+            assert node_store(b).catalog.get(pinned).metadata["pod"] == "counter-1"
+            page.wait(
+                "(route(), [...document.querySelectorAll('tr')].some(r => r.innerText.includes("
+                f"'every-10s') && r.innerText.includes('counter-1/app') && r.innerText.includes("
+                f"'pinned {pinned}')))",
+                what="the policy's coverage and what node B did",
+                timeout=60,
+            )
+            page.screenshot(shots / "8-policy.png")
+
             audit = [(e["reason"], e["involvedObject"]["name"]) for e in kube.events_by("Cedana")]
             assert audit == [
                 ("CedanaCheckpoint", "counter-0"), ("CedanaPin", "counter-0"),
                 ("CedanaMigrate", "counter-0"), ("CedanaMigrate", "counter-0"),
-                ("CedanaDelete", "counter-0"),
+                ("CedanaDelete", "counter-0"), ("CedanaPolicy", "every-10s"),
             ], audit  # fmt: skip
             assert all(e["message"].startswith(USER) for e in kube.events_by("Cedana"))
             assert "audit user=alice@example.com action=migrate" in ctl.proc.log.read_text()

@@ -227,7 +227,7 @@ function timeline(doc) {
       `${p.id} (${p.label}): ${bytes(p.size)}, ${secs(p.durationSeconds) || "duration unknown"}`);
   }
   for (const { t, r } of restores) {
-    const color = r.outcome === "restored" ? "#1e7a3a" : "#b3261e";
+    const color = { restored: "#1e7a3a", cold: "#8a94a3" }[r.outcome] || "#b3261e";
     mk("rect", { x: x(t) - 4, y: pad - 10, width: 8, height: 8, fill: color },
       `restore of ${r.pod} on ${r.node}: ${r.outcome} ${r.checkpointId || ""}`);
   }
@@ -247,7 +247,7 @@ async function namespaceView(ns, label) {
     h("label", { for: "label-pick" }, "Label "), pick,
     h("h2", {}, "Timeline"),
     h("p", { class: "muted" }, "Circles: checkpoints (height: size, radius: duration). " +
-      "Squares: restores (green: restored, red: fell back or failed)."),
+      "Squares: restores (green: restored, grey: a first, cold start, red: fell back or failed)."),
     timeline(doc),
     h("h2", {}, "Checkpoints"),
     table(`Checkpoints of ${ns}`, CHECKPOINT_HEADERS, checkpointRows(doc.checkpoints, refresh),
