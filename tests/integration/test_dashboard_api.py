@@ -15,7 +15,9 @@ here), which answers TokenReview and SubjectAccessReview from RBAC-like rules.
   runs the pods it selects: it pins the newest checkpoint of their label in the real
   store, and the policies view shows what it covers and what was done; a malformed
   policy is refused with the rule it breaks, and a user without `update configmaps`
-  may not save one.
+  may not save one;
+* "start a copy" creates a pod with the source's spec, no labels of its own but
+  `cedana.ai/copy-of`, and `cedana.ai/restore: <id>`; without `create pods`, 403.
 The containerd-backed flows (checkpoint now, migrate) and the browser are in
 test_dashboard.py.
 """
@@ -64,7 +66,13 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
     kube.add_token(BOB, "bob@example.com")
     kube.allow(
         "alice@example.com",
-        *namespace_rules("team-a", ("get", "pods"), ("update", "pods"), ("update", "configmaps")),
+        *namespace_rules(
+            "team-a",
+            ("get", "pods"),
+            ("update", "pods"),
+            ("update", "configmaps"),
+            ("create", "pods"),
+        ),
         Rule("*", "list", "nodes"),
     )
     kube.allow("bob@example.com", *namespace_rules("team-b", ("get", "pods")))
@@ -207,3 +215,19 @@ def test_a_policy_saved_through_the_api_is_applied_by_the_node_agent(setup: Setu
     assert f"pinned {setup.team_a}" in applied["actions"]
     reasons = [(e["reason"], e["involvedObject"]) for e in setup.kube.events_by("CedanaPolicy")]
     assert [r[1]["kind"] for r in reasons] == ["ConfigMap"]
+
+
+def test_a_copy_of_a_pod_starts_from_the_chosen_checkpoint(setup: Setup) -> None:
+    status, doc = setup.ctl.call("POST", f"/api/v1/checkpoints/{setup.team_b}/copy", BOB)
+    assert status == 403 and "may not create pods in namespace team-b" in doc["error"]
+    status, doc = setup.ctl.call("POST", f"/api/v1/checkpoints/{setup.team_a}/copy", ALICE)
+    assert status == 201, doc
+    assert doc["pod"].startswith("trainer-0-copy-") and doc["checkpoint"] == setup.team_a
+    copy = setup.kube.state.pods[("team-a", doc["pod"])]
+    source = setup.kube.state.pods[("team-a", "trainer-0")]
+    assert copy["metadata"]["annotations"] == {"cedana.ai/restore": setup.team_a}
+    assert copy["metadata"]["labels"] == {"cedana.ai/copy-of": "trainer-0"}
+    assert "nodeName" not in copy["spec"], "the scheduler places the copy"
+    assert copy["spec"]["containers"] == source["spec"]["containers"]
+    [event] = setup.kube.events_by("CedanaCopy")
+    assert event["message"].startswith("alice@example.com: copy done: pod " + doc["pod"])
