@@ -72,6 +72,7 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
             ("update", "pods"),
             ("update", "configmaps"),
             ("create", "pods"),
+            ("create", "pods/eviction"),
         ),
         Rule("*", "list", "nodes"),
     )
@@ -91,6 +92,12 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
                 "nodeName": "node-a",
                 "containers": [{"name": "trainer", "image": "x", "env": env}],
             },
+        }
+    )
+    kube.add_pod(
+        {
+            "metadata": {"name": "plain-0", "namespace": "team-a"},
+            "spec": {"nodeName": "node-a", "containers": [{"name": "web", "image": "x"}]},
         }
     )
     port = free_port()
@@ -231,3 +238,18 @@ def test_a_copy_of_a_pod_starts_from_the_chosen_checkpoint(setup: Setup) -> None
     assert copy["spec"]["containers"] == source["spec"]["containers"]
     [event] = setup.kube.events_by("CedanaCopy")
     assert event["message"].startswith("alice@example.com: copy done: pod " + doc["pod"])
+
+
+def test_a_migration_is_refused_before_it_starts_when_it_cannot_work(setup: Setup) -> None:
+    path = "/api/v1/namespaces/team-a/pods/{}/migrate"
+    status, doc = setup.ctl.call("POST", path.format("trainer-0"), BOB)
+    assert status == 403 and "may not create pods/eviction in namespace team-a" in doc["error"]
+    status, doc = setup.ctl.call("POST", path.format("plain-0"), ALICE)
+    assert status == 404 and "no container that opts in" in doc["error"]
+    status, doc = setup.ctl.call("POST", path.format("gone-0"), ALICE)
+    assert status == 404 and "no pod gone-0 in namespace team-a" in doc["error"]
+    status, doc = setup.ctl.call(
+        "POST", "/api/v1/namespaces/team-a/pods/plain-0/checkpoint", ALICE, {}
+    )
+    assert status == 404 and "no container that opts in" in doc["error"]
+    assert setup.kube.state.evictions == [], "nothing was evicted"

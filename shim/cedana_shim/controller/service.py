@@ -201,7 +201,8 @@ class Dashboard:
         self.access.require(who, namespace, CHANGE)
         target = self._pod(namespace, pod)
         agent = self.agents.on(_node_of(target, namespace, pod))
-        detail = f"container {container or '(first opted in)'} on node {agent.node}"
+        container = container or _first_opted_in(target, namespace, pod)
+        detail = f"container {container} on node {agent.node}"
         try:
             taken: dict[str, Any] = self.agents.call(
                 agent,
@@ -304,11 +305,12 @@ class Dashboard:
         self.access.require(who, namespace, MIGRATE)
         source = self._pod(namespace, pod)
         node = _node_of(source, namespace, pod)
+        container = _first_opted_in(source, namespace, pod)
         agent = self.agents.on(node)
         self.audit.record(who.user, "migrate", namespace, pod, "requested", f"from node {node}")
 
         def work(op: Operation) -> None:
-            self._migrate(op, agent, source)
+            self._migrate(op, agent, source, container)
 
         def done(op: Operation) -> None:
             outcome = "done" if op.state == "done" else "failed"
@@ -319,7 +321,9 @@ class Dashboard:
             "migrate", who.user, namespace, f"{namespace}/{pod}", MIGRATION_STEPS, work, done
         )
 
-    def _migrate(self, op: Operation, agent: AgentRef, source: dict[str, Any]) -> None:
+    def _migrate(
+        self, op: Operation, agent: AgentRef, source: dict[str, Any], container: str
+    ) -> None:
         meta = source.get("metadata") or {}
         namespace, pod, uid = meta.get("namespace"), meta.get("name"), meta.get("uid")
         with op.step("checkpoint") as step:
@@ -327,7 +331,7 @@ class Dashboard:
                 agent,
                 "POST",
                 "/v1/checkpoint",
-                {"namespace": namespace, "pod": pod, "leaveRunning": True},
+                {"namespace": namespace, "pod": pod, "container": container, "leaveRunning": True},
             )
             step.detail = f"{taken['id']} on {agent.node}"
             op.result["checkpoint"] = taken["id"]
@@ -411,6 +415,18 @@ def _mark_registry(checkpoints: list[dict[str, Any]], states: list[dict[str, Any
     registries = {s.get("node"): s.get("registry") or "" for s in states}
     for c in checkpoints:
         c["registry"] = next((registries[n] for n in c["nodes"] if registries.get(n)), "")
+
+
+def _first_opted_in(pod: dict[str, Any], namespace: str, name: str) -> str:
+    """The container to checkpoint when none is named: the first that opts in (a
+    sidecar that does not has no checkpoint to take)."""
+    found = policies.opted_in(pod)
+    if not found:
+        raise NotFoundError(
+            f"pod {namespace}/{name} has no container that opts in (CEDANA_CHECKPOINT or "
+            "CEDANA_ENABLE): there is nothing cedana may checkpoint"
+        )
+    return found[0]["name"]
 
 
 def _node_of(pod: dict[str, Any], namespace: str, name: str) -> str:
