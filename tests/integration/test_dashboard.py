@@ -279,8 +279,12 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
 
             # Within 10 s of the restored checkpoint the policy pins that one; then it
             # takes a checkpoint of its own and moves its pin there.
-            pinned = wait_for(
-                lambda: (found := policy_pin()) not in ("", restored) and found,
+            def policy_checkpoint() -> str:
+                found = policy_pin()
+                return found if found not in ("", restored) else ""
+
+            pinned: str = wait_for(
+                policy_checkpoint,
                 timeout=90,
                 what="node B's agent to checkpoint counter-1 for the policy and pin it",
             )
