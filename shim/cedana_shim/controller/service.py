@@ -366,7 +366,7 @@ class Dashboard:
         owners = {o.get("uid") for o in meta.get("ownerReferences") or () if o.get("controller")}
         with op.step("rescheduled") as step:
             replacement = self._wait(
-                lambda: _replacement(self.api.all_pods(str(namespace)), pod, uid, owners),
+                lambda: replacement(self.api.all_pods(str(namespace)), pod, uid, owners),
                 f"a pod to replace {namespace}/{pod} (is it owned by a controller?)",
             )
             new_meta = replacement.get("metadata") or {}
@@ -436,7 +436,7 @@ def _node_of(pod: dict[str, Any], namespace: str, name: str) -> str:
     return str(node)
 
 
-def _replacement(
+def replacement(
     pods: list[dict[str, Any]], name: Any, uid: Any, owners: set[Any]
 ) -> dict[str, Any] | None:
     """The pod that replaced the evicted one: another uid, the same controller (or,
