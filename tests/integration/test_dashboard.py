@@ -17,8 +17,9 @@ the controller's and the agents' own work.
 
 A user whose RBAC allows namespace team-a only signs in with a token, sees team-a and
 not team-b, checkpoints a running counter, pins that checkpoint (pinned in node A's
-real store), opens the namespace and checkpoint views, migrates the pod to node B
-(the page shows the steps; the new pod resumes the count from the registry) and
+real store), opens the namespace and checkpoint views, migrates the pod off node A
+(cordoned meanwhile) to node B (the page shows the steps; the new pod resumes the
+count from the registry) and
 deletes the pinned checkpoint (gone from node A's store), then types a policy into
 the namespace view (every 10 s, pin the latest) and sees node B's agent apply it to
 the migrated pod (a new checkpoint, pinned as the policy's in B's real store). Each
@@ -213,9 +214,11 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
 
             # Migrate: the controller checkpoints, waits for the push, evicts.
             page.eval("location.hash = '#/cluster'")
+            page.click("#avoid-node")  # off node A: cordoned until the pod is rescheduled
             page.click('[aria-label="Migrate team-a/counter-0"]')
             wait_for(lambda: kube.state.evictions, timeout=180, what="the eviction")
             assert kube.state.evictions == [("team-a", "counter-0")]
+            assert kube.state.nodes["node-a"]["spec"].get("unschedulable") is True
             page.screenshot(shots / "5-migrating.png")
             # kubelet on A stops the evicted pod (its stop checkpoints and pushes it);
             # the ReplicaSet makes a replacement, bound to node B; kubelet on B runs it.
@@ -234,6 +237,7 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
             )
             assert steps == ["checkpoint: done", "push: done", "evict: done",
                              "rescheduled: done", "resumed: done"], steps  # fmt: skip
+            assert kube.state.nodes["node-a"]["spec"]["unschedulable"] is False, "uncordoned"
             restored = page.eval("lastOperation.result.restoredFrom")
             assert restored == outcome.checkpoint_id
             # The page shows the cluster as it is now: the pod on B, the checkpoint it

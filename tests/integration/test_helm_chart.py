@@ -170,6 +170,7 @@ CONTROLLER_RULES = {
     ("", "pods/eviction", ("create",)),
     ("", "events", ("create",)),
     ("", "configmaps", ("create", "get", "list", "update")),
+    ("", "nodes", ("get", "patch")),
 }
 
 

@@ -14,7 +14,7 @@ POST /api/v1/checkpoints/ID/pin   {"pinned": bool}  pin or unpin (every node hol
 POST /api/v1/checkpoints/ID/delete                  delete (every node holding it)
 POST /api/v1/checkpoints/ID/copy                    a new pod restored from it
 POST /api/v1/namespaces/NS/pods/POD/checkpoint  {"container"?}  checkpoint now
-POST /api/v1/namespaces/NS/pods/POD/migrate         202: an operation to poll
+POST /api/v1/namespaces/NS/pods/POD/migrate  {"avoidNode"?}  202: an operation to poll
 GET  /api/v1/operations/OP                          an operation's steps
 GET  /api/v1/namespaces/NS/policies                 policies, what they cover, how applied
 POST /api/v1/namespaces/NS/policies/NAME  {"selector", "interval", "retain", "pinLatest"}
@@ -139,7 +139,8 @@ class ControllerApi:
                     200, d.checkpoint_now(who, namespace, pod, str(body.get("container") or ""))
                 )
             if name == "migrate":
-                return _json(202, d.migrate(who, namespace, pod).to_json())
+                avoid = bool(body.get("avoidNode", False))
+                return _json(202, d.migrate(who, namespace, pod, avoid_node=avoid).to_json())
         except Denied as err:
             return _error(403, str(err))
         except NotFoundError as err:

@@ -4,6 +4,7 @@ node agents and the Kubernetes API (the HTTP routing is api.py)."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -21,6 +22,8 @@ from .operations import Operation, Operations, StepFailed
 MIGRATION_STEPS: Final = ["checkpoint", "push", "evict", "rescheduled", "resumed"]
 WAIT_S: Final = 300.0
 POLL_S: Final = 0.5
+
+log = logging.getLogger("cedana.controller")
 
 
 class NotFoundError(Exception):
@@ -299,9 +302,14 @@ class Dashboard:
         )
         return {"pod": name, "namespace": namespace, "checkpoint": checkpoint_id}
 
-    def migrate(self, who: Identity, namespace: str, pod: str) -> Operation:
+    def migrate(
+        self, who: Identity, namespace: str, pod: str, *, avoid_node: bool = False
+    ) -> Operation:
         """Checkpoint, wait for the push, evict; then follow the pod's replacement to
-        its node and its restore. Returns at once; the steps are polled."""
+        its node and its restore. Returns at once; the steps are polled.
+        ``avoid_node``: the pod's node is cordoned from the eviction until the
+        replacement is scheduled (uncordoned then, or on failure, unless it was
+        cordoned already), so the scheduler places it elsewhere."""
         self.access.require(who, namespace, MIGRATE)
         source = self._pod(namespace, pod)
         node = _node_of(source, namespace, pod)
@@ -310,7 +318,7 @@ class Dashboard:
         self.audit.record(who.user, "migrate", namespace, pod, "requested", f"from node {node}")
 
         def work(op: Operation) -> None:
-            self._migrate(op, agent, source, container)
+            self._migrate(op, agent, source, container, avoid_node)
 
         def done(op: Operation) -> None:
             outcome = "done" if op.state == "done" else "failed"
@@ -322,7 +330,12 @@ class Dashboard:
         )
 
     def _migrate(
-        self, op: Operation, agent: AgentRef, source: dict[str, Any], container: str
+        self,
+        op: Operation,
+        agent: AgentRef,
+        source: dict[str, Any],
+        container: str,
+        avoid_node: bool,
     ) -> None:
         meta = source.get("metadata") or {}
         namespace, pod, uid = meta.get("namespace"), meta.get("name"), meta.get("uid")
@@ -354,27 +367,30 @@ class Dashboard:
                     f"checkpoint {taken['id']} to reach the registry {state['registry']}",
                 )
                 step.detail = f"in {state['registry']}"
-        with op.step("evict") as step:
-            try:
-                self.api.evict_pod(str(namespace), str(pod))
-            except KubeError as err:
-                raise StepFailed(
-                    f"eviction of {namespace}/{pod} refused: {err} (a PodDisruptionBudget? "
-                    "try again later)"
-                ) from None
-            step.detail = f"{namespace}/{pod} evicted; its stop checkpoints it once more"
-        owners = {o.get("uid") for o in meta.get("ownerReferences") or () if o.get("controller")}
-        with op.step("rescheduled") as step:
-            replacement = self._wait(
-                lambda: replacement(self.api.all_pods(str(namespace)), pod, uid, owners),
-                f"a pod to replace {namespace}/{pod} (is it owned by a controller?)",
-            )
-            new_meta = replacement.get("metadata") or {}
-            new_pod, new_node = new_meta.get("name"), replacement["spec"]["nodeName"]
-            step.detail = f"{namespace}/{new_pod} on node {new_node}"
-            op.result.update(pod=new_pod, node=new_node)
+        cordoned = False
+        try:
+            with op.step("evict") as step:
+                cordoned = avoid_node and self._cordon(agent.node, True)
+                try:
+                    self.api.evict_pod(str(namespace), str(pod))
+                except KubeError as err:
+                    raise StepFailed(
+                        f"eviction of {namespace}/{pod} refused: {err} (a PodDisruptionBudget? "
+                        "try again later)"
+                    ) from None
+                step.detail = f"{namespace}/{pod} evicted; its stop checkpoints it once more"
+                if avoid_node:
+                    step.detail += f"; node {agent.node} cordoned until it is rescheduled"
+            self._rescheduled(op, namespace, pod, uid, meta)
+        finally:
+            if cordoned:
+                self._cordon(agent.node, False)
+        new_pod, new_node = op.result["pod"], op.result["node"]
         with op.step("resumed") as step:
-            target = self.agents.on(str(new_node))
+            try:
+                target = self.agents.on(str(new_node))
+            except AgentError as err:
+                raise StepFailed(str(err)) from None
             record = self._wait(
                 lambda: _restore_of(self._agent(target, "GET", "/v1/node"), namespace, new_pod),
                 f"pod {namespace}/{new_pod} to start on node {new_node}",
@@ -386,6 +402,36 @@ class Dashboard:
                 )
             step.detail = f"{new_pod} resumed from {record.get('checkpoint_id')} on {new_node}"
             op.result["restoredFrom"] = record.get("checkpoint_id")
+
+    def _rescheduled(
+        self, op: Operation, namespace: Any, pod: Any, uid: Any, meta: dict[str, Any]
+    ) -> None:
+        owners = {o.get("uid") for o in meta.get("ownerReferences") or () if o.get("controller")}
+        with op.step("rescheduled") as step:
+            moved = self._wait(
+                lambda: replacement(self.api.all_pods(str(namespace)), pod, uid, owners),
+                f"a pod to replace {namespace}/{pod} (is it owned by a controller?)",
+            )
+            new_meta = moved.get("metadata") or {}
+            new_pod, new_node = new_meta.get("name"), moved["spec"]["nodeName"]
+            step.detail = f"{namespace}/{new_pod} on node {new_node}"
+            op.result.update(pod=new_pod, node=new_node)
+
+    def _cordon(self, node: str, on: bool) -> bool:
+        """Mark the node (un)schedulable; True when this call changed it (a node an
+        operator cordoned already stays cordoned after the migration)."""
+        try:
+            current = self.api.get_node(node)
+            if bool((current.get("spec") or {}).get("unschedulable")) == on:
+                return False
+            self.api.patch_node(node, {"spec": {"unschedulable": on}})
+        except KubeError as err:
+            what = "cordon" if on else "uncordon"
+            if on:
+                raise StepFailed(f"cannot {what} node {node}: {err}") from None
+            log.warning("cannot %s node %s after a migration: %s; do it by hand", what, node, err)
+            return False
+        return True
 
     def _agent(self, agent: AgentRef, method: str, path: str, body: Any = None) -> Any:
         try:

@@ -167,6 +167,10 @@ async function clusterView() {
     for (const u of doc.unreachable) parts.push(h("p", { class: "bad" }, u));
   }
   parts.push(h("h2", {}, "Protected workloads"));
+  parts.push(h("p", {}, h("input", { type: "checkbox", id: "avoid-node", checked: avoidNode,
+    onchange: (e) => { avoidNode = e.target.checked; } }), " ",
+  h("label", { for: "avoid-node" }, "Migrate off the current node (it is cordoned until the " +
+    "replacement is scheduled)")));
   parts.push(table("Pods with containers that opt in", ["Namespace", "Pod", "Node", "Phase",
     "Containers", "Actions"], doc.workloads.map((w) => [
     w.namespace, w.pod, w.node, w.phase,
@@ -336,7 +340,7 @@ async function migrate(ns, pod) {
   if (!confirm(`Migrate ${ns}/${pod}? It is checkpointed, then evicted; its controller starts a new pod, which resumes.`)) return;
   let op;
   try {
-    op = await api("POST", `/api/v1/namespaces/${ns}/pods/${pod}/migrate`);
+    op = await api("POST", `/api/v1/namespaces/${ns}/pods/${pod}/migrate`, { avoidNode });
   } catch (err) {
     say(`Migrating ${ns}/${pod} failed: ${err.message}`, true);
     return;
@@ -359,6 +363,7 @@ async function migrate(ns, pod) {
 }
 
 let lastOperation = null;
+let avoidNode = false;
 
 // A migration's steps: checkpoint, push, evict, rescheduled, resumed.
 function operationBox(o) {
