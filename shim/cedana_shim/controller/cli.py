@@ -22,8 +22,12 @@ def register(subparsers: Any) -> None:
     controller.set_defaults(handler=run, controller_parser=controller, controller_command=None)
     sub = controller.add_subparsers(dest="controller_command", metavar="SUBCOMMAND")
     p = sub.add_parser("run", help="serve the dashboard until SIGTERM")
-    p.add_argument("--address", default="0.0.0.0", metavar="ADDR")
-    p.add_argument("--port", type=int, default=8080, metavar="PORT")
+    p.add_argument(
+        "--address", default="0.0.0.0", metavar="ADDR", help="listen here (default %(default)s)"
+    )
+    p.add_argument(
+        "--port", type=int, default=8080, metavar="PORT", help="the UI and API (default 8080)"
+    )
     p.add_argument(
         "--agents-namespace",
         default=os.environ.get("POD_NAMESPACE", "cedana-system"),
@@ -36,7 +40,13 @@ def register(subparsers: Any) -> None:
         metavar="SELECTOR",
         help="label selector of the node agents' pods (default %(default)s)",
     )
-    p.add_argument("--agent-port", type=int, default=9465, metavar="PORT")
+    p.add_argument(
+        "--agent-port",
+        type=int,
+        default=9465,
+        metavar="PORT",
+        help="the port the node agents serve their API on (their --agent-port; default 9465)",
+    )
     p.add_argument(
         "--token-file",
         default=SA_TOKEN,
