@@ -376,6 +376,7 @@ function operationBox(o) {
 
 async function route() {
   if (!me) return;
+  say("");  // what the last action said belongs to the page it was done on
   const parts = location.hash.replace(/^#\/?/, "").split("/").map(decodeURIComponent);
   try {
     if (parts[0] === "ns" && parts[1]) {
