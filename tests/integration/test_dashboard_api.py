@@ -24,7 +24,6 @@ test_dashboard.py.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,12 +185,15 @@ def test_a_node_agent_answers_the_controller_only(setup: Setup) -> None:
     assert status == 401 and "TokenReview" in doc["error"]
     status, doc = http_json(url, token=ALICE)
     assert status == 403 and "alice@example.com is not the cedana controller" in doc["error"]
-    status, doc = http_json(url, "POST", BOB, {"id": setup.team_b})
-    assert status == 403
+    agent = f"http://127.0.0.2:{setup.agent_port}"
+    status, doc = http_json(f"{agent}/v1/pin", "POST", BOB, {"id": setup.team_b, "pinned": True})
+    assert status == 403 and "bob@example.com" in doc["error"]
+    status, doc = http_json(f"{agent}/v1/delete", "POST", "", {"id": setup.team_b})
+    assert status == 401
     status, doc = http_json(url, token=CONTROLLER_TOKEN)
     assert status == 200 and [c["id"] for c in doc["checkpoints"]] == [setup.team_b]
-    with contextlib.suppress(KeyError):
-        assert setup.store_b.catalog.get(setup.team_b) is not None
+    entry = setup.store_b.catalog.get(setup.team_b)  # still there: the delete was refused
+    assert not entry.pinned, "the refused pin changed nothing"
 
 
 def test_a_policy_saved_through_the_api_is_applied_by_the_node_agent(setup: Setup) -> None:
