@@ -72,6 +72,7 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
             ("update", "configmaps"),
             ("create", "pods"),
             ("create", "pods/eviction"),
+            ("delete", "configmaps"),
         ),
         Rule("*", "list", "nodes"),
     )
@@ -224,6 +225,17 @@ def test_a_policy_saved_through_the_api_is_applied_by_the_node_agent(setup: Setu
     assert f"pinned {setup.team_a}" in applied["actions"]
     reasons = [(e["reason"], e["involvedObject"]) for e in setup.kube.events_by("CedanaPolicy")]
     assert [r[1]["kind"] for r in reasons] == ["ConfigMap"]
+
+    status, doc = setup.ctl.call("POST", path + "/delete", BOB)
+    assert status == 403 and "may not delete configmaps" in doc["error"]
+    status, doc = setup.ctl.call("POST", path + "/delete", ALICE)
+    assert status == 200, doc
+    assert ("team-a", "keep-latest") not in setup.kube.state.config_maps
+    status, doc = setup.ctl.call("GET", "/api/v1/namespaces/team-a/policies", ALICE)
+    assert doc["policies"] == []
+    status, doc = setup.ctl.call("POST", path + "/delete", ALICE)
+    assert status == 404 and "no policy keep-latest" in doc["error"]
+    assert setup.store_a.catalog.get(setup.team_a).pinned_by == "policy", "its pins stay"
 
 
 def test_a_copy_of_a_pod_starts_from_the_chosen_checkpoint(setup: Setup) -> None:

@@ -169,7 +169,7 @@ CONTROLLER_RULES = {
     ("", "pods", ("create", "get", "list")),
     ("", "pods/eviction", ("create",)),
     ("", "events", ("create",)),
-    ("", "configmaps", ("create", "get", "list", "update")),
+    ("", "configmaps", ("create", "delete", "get", "list", "update")),
     ("", "nodes", ("get", "patch")),
 }
 

@@ -11,6 +11,7 @@ delete a checkpoint
 start a copy of a pod     ``create pods``
 migrate a pod             ``create pods/eviction``
 edit a namespace policy   ``update configmaps``
+delete a policy           ``delete configmaps``
 see the nodes             ``list nodes`` (cluster-wide)
 ========================  =========================================
 """
@@ -46,6 +47,7 @@ COPY: Final = Need("create", "pods")
 MIGRATE: Final = Need("create", "pods", "eviction")
 NODES: Final = Need("list", "nodes")
 POLICIES: Final = Need("update", "configmaps")
+DROP_POLICY: Final = Need("delete", "configmaps")
 
 
 class Denied(Exception):

@@ -18,6 +18,7 @@ POST /api/v1/namespaces/NS/pods/POD/migrate  {"avoidNode"?}  202: an operation t
 GET  /api/v1/operations/OP                          an operation's steps
 GET  /api/v1/namespaces/NS/policies                 policies, what they cover, how applied
 POST /api/v1/namespaces/NS/policies/NAME  {"selector", "interval", "retain", "pinLatest"}
+POST /api/v1/namespaces/NS/policies/NAME/delete
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ _ROUTES: Final = [
     ("GET", re.compile(r"/api/v1/operations/(op-[0-9]+)"), "operation"),
     ("GET", re.compile(rf"/api/v1/namespaces/{_NAME}/policies"), "policies"),
     ("POST", re.compile(rf"/api/v1/namespaces/{_NAME}/policies/{_NAME}"), "save_policy"),
+    (
+        "POST",
+        re.compile(rf"/api/v1/namespaces/{_NAME}/policies/{_NAME}/delete"),
+        "delete_policy",
+    ),
 ]
 
 log = logging.getLogger("cedana.controller")
@@ -134,6 +140,8 @@ class ControllerApi:
             namespace, pod = first, str(groups[2])
             if name == "save_policy":
                 return _json(200, d.save_policy(who, namespace, pod, body))
+            if name == "delete_policy":
+                return _json(200, d.delete_policy(who, namespace, pod))
             if name == "checkpoint_now":
                 return _json(
                     200, d.checkpoint_now(who, namespace, pod, str(body.get("container") or ""))

@@ -33,6 +33,8 @@ class ClusterApi(Protocol):
 
     def save_config_map(self, namespace: str, config_map: dict[str, Any]) -> None: ...
 
+    def delete_config_map(self, namespace: str, name: str) -> None: ...
+
 
 class ControllerKube(KubernetesApi):
     """``ClusterApi`` over the official client."""
@@ -138,4 +140,12 @@ class ControllerKube(KubernetesApi):
             name,
             namespace,
             config_map,
+        )
+
+    def delete_config_map(self, namespace: str, name: str) -> None:
+        self._call(
+            f"DELETE configmap {name} in {namespace}",
+            self._core.delete_namespaced_config_map,
+            name,
+            namespace,
         )

@@ -13,7 +13,7 @@ from typing import Any, Final
 from ..node import policies
 from ..node.kube import Identity, KubeError
 from . import views
-from .access import CHANGE, COPY, MIGRATE, NODES, POLICIES, SEE, Access, Denied
+from .access import CHANGE, COPY, DROP_POLICY, MIGRATE, NODES, POLICIES, SEE, Access, Denied
 from .agents import AgentError, AgentRef, Agents
 from .audit import Audit
 from .kube import ClusterApi
@@ -195,6 +195,28 @@ class Dashboard:
             ", ".join(f"{k}={v}" for k, v in clean.items()) or "(empty)", kind="ConfigMap",
         )  # fmt: skip
         return policy.to_json()
+
+    def delete_policy(self, who: Identity, namespace: str, name: str) -> dict[str, Any]:
+        """Remove a policy (its ConfigMap); the agents stop applying it next round.
+        Its pins stay: they are checkpoints someone chose to keep until unpinned."""
+        self.access.require(who, namespace, DROP_POLICY)
+        if not any(
+            (c.get("metadata") or {}).get("namespace") == namespace
+            and (c.get("metadata") or {}).get("name") == name
+            for c in self.api.list_policies()
+        ):
+            raise NotFoundError(f"no policy {name} in namespace {namespace}")
+        try:
+            self.api.delete_config_map(namespace, name)
+        except KubeError as err:
+            self.audit.record(
+                who.user, "policy-delete", namespace, name, "failed", str(err), kind="ConfigMap"
+            )
+            raise
+        self.audit.record(
+            who.user, "policy-delete", namespace, name, "done", "removed", kind="ConfigMap"
+        )
+        return {"namespace": namespace, "name": name, "deleted": True}
 
     # -- actions -----------------------------------------------------------------------
 

@@ -237,6 +237,9 @@ class FakeKubeApi:
             if method == "PUT":
                 body["metadata"]["namespace"] = m[1]
                 s.config_maps[(m[1], m[2])] = body
+            if method == "DELETE":
+                del s.config_maps[(m[1], m[2])]
+                return 200, _status(200, "deleted", "Success")
             return 200, s.config_maps[(m[1], m[2])]
         if method == "POST" and re.fullmatch(r"/api/v1/namespaces/([^/]+)/events", path):
             s.events.append(body)

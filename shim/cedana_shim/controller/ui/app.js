@@ -301,7 +301,15 @@ async function policiesSection(ns, refresh) {
     h("ul", { class: "applied" }, p.applied.map((a) => h("li", {},
       `${a.node}: `, a.error ? h("span", { class: "bad" }, a.error)
         : `${a.covered.length} covered; ${a.actions.slice(-3).join("; ") || "nothing to do yet"}`))),
-    h("button", { type: "button", "aria-label": `Edit policy ${p.name}`, onclick: () => edit(p) }, "Edit"),
+    h("span", {},
+      h("button", { type: "button", "aria-label": `Edit policy ${p.name}`, onclick: () => edit(p) }, "Edit"), " ",
+      h("button", { type: "button", class: "danger", "aria-label": `Delete policy ${p.name}`,
+        onclick: () => {
+          if (confirm(`Delete policy ${p.name}? Its pins stay until unpinned.`)) {
+            act(`Deleting policy ${p.name}`,
+              () => api("POST", `/api/v1/namespaces/${ns}/policies/${p.name}/delete`), refresh);
+          }
+        } }, "Delete")),
   ]);
   return h("div", {},
     table(`Policies of ${ns}`, ["Policy", "Selector", "Interval", "Retain", "Pin latest",
