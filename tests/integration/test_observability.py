@@ -328,19 +328,33 @@ def test_the_chart_exposes_metrics_and_may_post_events(helm: list[str]) -> None:
         "prometheus.io/path": "/metrics",
     }
     (container,) = pod["spec"]["containers"]
-    assert container["ports"] == [{"name": "metrics", "containerPort": 9464, "protocol": "TCP"}]
+    # Beside the agent's API for the dashboard (test_helm_chart.py).
+    assert {"name": "metrics", "containerPort": 9464, "protocol": "TCP"} in container["ports"]
     assert "--metrics-port=9464" in container["args"]
     # On the pod's IP, where Prometheus' pod discovery scrapes; kubelet expands $(POD_IP).
     assert "--metrics-address=$(POD_IP)" in container["args"]
     pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     assert pod_ip in container["env"]
-    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole" and "helper" in d["metadata"]["name"]]
     rules = {(r["resources"][0], v) for r in role["rules"] for v in r["verbs"]}
     assert {("events", "create"), ("pods", "get")} <= rules
 
     off = [
         d
-        for d in _yaml_docs(run([*helm, "template", "x", str(CHART), "--set", "metrics.port=0"]))
+        for d in _yaml_docs(
+            run(
+                [
+                    *helm,
+                    "template",
+                    "x",
+                    str(CHART),
+                    "--set",
+                    "metrics.port=0",
+                    "--set",
+                    "controller.enabled=false",
+                ]
+            )
+        )
         if d
     ]
     (daemonset,) = [
@@ -353,7 +367,18 @@ def test_the_chart_exposes_metrics_and_may_post_events(helm: list[str]) -> None:
     assert not any(a.startswith("--metrics-address") for a in container["args"])
     assert pod_ip not in container["env"]
 
-    chosen = run([*helm, "template", "x", str(CHART), "--set", "metrics.address=0.0.0.0"])
+    chosen = run(
+        [
+            *helm,
+            "template",
+            "x",
+            str(CHART),
+            "--set",
+            "metrics.address=0.0.0.0",
+            "--set",
+            "controller.enabled=false",
+        ]  # the agent API needs the pod IP
+    )
     (daemonset,) = [
         d
         for d in _yaml_docs(chosen)

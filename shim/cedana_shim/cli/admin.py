@@ -161,11 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--json", action="store_true", help="print the result as a JSON object")
     ck.set_defaults(handler=_handler("checkpoint"))
 
+    from cedana_shim.controller import cli as controller_cli
     from cedana_shim.node import cli as node_cli
     from cedana_shim.slurm import cli as slurm_cli
 
     node_cli.register(commands)
     slurm_cli.register(commands)
+    controller_cli.register(commands)
 
     doc = commands.add_parser(
         "doctor",

@@ -270,6 +270,33 @@ def register(subparsers: Any) -> None:
         help="the address metrics are served on (default %(default)s: this host only; the "
         "chart passes the pod's IP, where Prometheus scrapes)",
     )
+    p.add_argument(
+        "--agent-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="serve the node agent's API to the cedana controller on this port (default "
+        "%(default)s: none; the chart passes 9465)",
+    )
+    p.add_argument(
+        "--agent-address",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="the address the agent's API is served on (the chart passes the pod's IP)",
+    )
+    p.add_argument(
+        "--controller-user",
+        default="system:serviceaccount:cedana-system:cedana-controller",
+        metavar="USER",
+        help="the only user (by TokenReview) the agent's API answers (default %(default)s)",
+    )
+    p.add_argument(
+        "--containerd-state",
+        default="/run/containerd",
+        metavar="DIR",
+        help="containerd's state directory on the host, where the shims' addresses are "
+        "(default %(default)s)",
+    )
     p.add_argument("--kubeconfig", metavar="FILE", help="default: in-cluster credentials")
     p.add_argument("--kube-api", metavar="URL", help="API server URL without credentials")
     p.add_argument(
@@ -436,7 +463,10 @@ def _run_helper(args: argparse.Namespace) -> int:
 
         push_pending(HostRoot(opts.host_root), opts.shim_config)
 
-    in_background(_observer(args, api, opts), interval=args.interval, stop=stop, name="observer")
+    history = _agent_api(args, api, opts, controller, stop)
+    in_background(
+        _observer(args, api, opts, history), interval=args.interval, stop=stop, name="observer"
+    )
     return run_loop(
         controller,
         do_install,
@@ -448,7 +478,100 @@ def _run_helper(args: argparse.Namespace) -> int:
     )
 
 
-def _observer(args: argparse.Namespace, api: Any, opts: Any) -> Callable[[], None]:
+def _agent_api(args: argparse.Namespace, api: Any, opts: Any, taints: Any, stop: Any) -> Any:
+    """Start the agent's API for the controller (``--agent-port``) and the namespace
+    policies' applier beside it; returns the history of finished operations that the
+    observer fills (and the API shows)."""
+    from collections import deque
+
+    from .agent_api import HISTORY, AgentApi, TokenCheck
+    from .cri import CriClient, CriError
+    from .hostfs import HostRoot
+    from .http_server import HttpServer
+    from .installer import socket_path
+    from .manager import in_background
+    from .ops_spool import node_store
+    from .policies import PolicyApplier
+    from .report import NodeError
+    from .shim_checkpoint import ShimCallError, checkpoint, shim_address
+
+    history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+    if not args.agent_port:
+        return history
+    host = HostRoot(opts.host_root)
+    state_dir = host.path(args.containerd_state)
+
+    def find_container(namespace: str, pod: str, container: str) -> str:
+        sock = opts.containerd_socket or socket_path(host, None, _main_config(opts))
+        try:
+            with CriClient(sock) as client:
+                return client.find_container(namespace, pod, container)
+        except CriError as err:
+            raise LookupError(str(err)) from None
+
+    def take(container_id: str, leave_running: bool) -> dict[str, Any]:
+        try:
+            taken = checkpoint(
+                shim_address(state_dir, container_id),
+                container_id,
+                leave_running=leave_running,
+                timeout=600.0,
+            )
+        except ShimCallError as err:
+            raise RuntimeError(str(err)) from None
+        return {
+            "id": taken.checkpoint_id,
+            "namespace": taken.scope,
+            "label": taken.label,
+            "size": taken.size,
+            "containerId": container_id,
+        }
+
+    def registry() -> str:
+        from ..config import load_node_config
+        from ..errors import ShimError
+
+        try:
+            return load_node_config(host.path(opts.shim_config), env={}).registry
+        except ShimError:
+            return ""
+
+    def taint() -> dict[str, Any] | None:
+        last = taints.last
+        return None if last is None else {"tainted": last.tainted, "reasons": list(last.reasons)}
+
+    def store() -> Any:
+        return node_store(host, opts.shim_config)
+
+    applier = PolicyApplier(api, args.node_name, store, find_container, take)
+    handler = AgentApi(
+        node=args.node_name,
+        tokens=TokenCheck(api),
+        controller_user=args.controller_user,
+        store=store,
+        find_container=find_container,
+        take_checkpoint=take,
+        registry=registry,
+        taint=taint,
+        history=history,
+        policies=lambda: [dict(v) for v in applier.status.values()],
+    )
+    try:
+        server = HttpServer(handler, args.agent_address, args.agent_port, name="agent-api")
+    except OSError as err:
+        raise NodeError(
+            f"cannot serve the agent API on {args.agent_address} port {args.agent_port}: "
+            f"{err.strerror or err}; choose another --agent-address or --agent-port (0: none)"
+        ) from None
+    server.start()
+    logging.getLogger("cedana.node").info("agent API on %s", server.url)
+    in_background(applier.round, interval=args.interval, stop=stop, name="policies")
+    return history
+
+
+def _observer(
+    args: argparse.Namespace, api: Any, opts: Any, history: Any = None
+) -> Callable[[], None]:
     """The chore that turns the shims' operation records into pod Events and
     metrics; starts the metrics server (``--metrics-address``, ``--metrics-port``)."""
     from .hostfs import HostRoot
@@ -469,7 +592,7 @@ def _observer(args: argparse.Namespace, api: Any, opts: Any) -> Callable[[], Non
             ) from None
         server.start()
         logging.getLogger("cedana.node").info("metrics on %s", server.url)
-    observer = OpsObserver(api, metrics, args.node_name)
+    observer = OpsObserver(api, metrics, args.node_name, history)
     host = HostRoot(opts.host_root)
 
     def observe() -> None:

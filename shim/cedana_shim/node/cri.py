@@ -160,6 +160,41 @@ class CriClient:
             if p.runtime_handler in ours and p.state == pb.SANDBOX_READY
         ]
 
+    def find_container(self, namespace: str, pod: str, container: str) -> str:
+        """The id of the running container ``container`` (any, when "") of the ready
+        pod ``namespace/pod``, as kubelet named them in the CRI metadata."""
+        pb = self.pb
+        try:
+            pods = self.runtime.ListPodSandbox(
+                pb.ListPodSandboxRequest(
+                    filter=pb.PodSandboxFilter(
+                        state=pb.PodSandboxStateValue(state=pb.SANDBOX_READY)
+                    )
+                ),
+                timeout=RPC_TIMEOUT,
+            ).items
+            for sandbox in pods:
+                if (sandbox.metadata.namespace, sandbox.metadata.name) != (namespace, pod):
+                    continue
+                running = pb.ContainerStateValue(state=pb.CONTAINER_RUNNING)
+                found = self.runtime.ListContainers(
+                    pb.ListContainersRequest(
+                        filter=pb.ContainerFilter(pod_sandbox_id=sandbox.id, state=running)
+                    ),
+                    timeout=RPC_TIMEOUT,
+                ).containers
+                names = sorted(c.metadata.name for c in found)
+                for c in found:
+                    if not container or c.metadata.name == container:
+                        return str(c.id)
+                raise CriError(
+                    f"pod {namespace}/{pod} has no running container {container!r} on this "
+                    f"node (running: {', '.join(names) or 'none'})"
+                )
+        except self.grpc.RpcError as err:
+            raise CriError(f"listing pods and containers: {self._describe(err)}") from None
+        raise CriError(f"pod {namespace}/{pod} is not running on this node")
+
     def probe_pod(self, image: str | None) -> str:
         """Run a pod sandbox with the cedana handler and, given an image that is on
         the node, a container in it; then remove both. Returns what ran."""

@@ -6,6 +6,7 @@ the ``kubernetes`` client is installed (typed models or not) stays in this file.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
@@ -25,6 +26,21 @@ class Rejected(KubeError):
 
 class Missing(Rejected):
     """No such object (HTTP 404)."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a bearer token belongs to, as TokenReview says."""
+
+    user: str
+    groups: tuple[str, ...] = ()
+    uid: str = ""
+
+
+class TokenApi(Protocol):
+    def review_token(self, token: str) -> Identity | None:
+        """The token's user; None when the API server does not authenticate it."""
+        ...
 
 
 class NodeApi(Protocol):
@@ -140,3 +156,32 @@ class KubernetesApi:
         except Missing:
             return ""
         return str((pod.get("metadata") or {}).get("uid") or "")
+
+    def review_token(self, token: str) -> Identity | None:
+        from kubernetes import client
+
+        api = client.AuthenticationV1Api(self._client)
+        body = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenReview",
+            "spec": {"token": token},
+        }
+        review = self._plain(self._call("POST tokenreview", api.create_token_review, body))
+        status = review.get("status") or {}
+        if not status.get("authenticated"):
+            return None
+        user = status.get("user") or {}
+        return Identity(
+            str(user.get("username") or ""),
+            tuple(str(g) for g in user.get("groups") or ()),
+            str(user.get("uid") or ""),
+        )
+
+    def list_policies(self) -> list[dict[str, Any]]:
+        """The checkpoint policies of every namespace (node/policies.py)."""
+        found = self._call(
+            "LIST configmaps",
+            self._core.list_config_map_for_all_namespaces,
+            label_selector="cedana.ai/policy=true",
+        )
+        return [self._plain(c) for c in found.items]

@@ -39,6 +39,7 @@ class TaintController:
         self.api = api
         self.node = node
         self.selectors = selectors
+        self.last: taint.Decision | None = None  # for the agent's API
 
     def pods(self) -> list[taint.PodState]:
         found: list[taint.PodState] = []
@@ -57,6 +58,7 @@ class TaintController:
             pods = self.pods() if local.installed and not uninstalling else []
             decision = taint.decide(pods, local, uninstalling=uninstalling)
             patch = taint.node_patch(node, decision)
+            self.last = decision
             if patch is None:
                 return decision
             try:

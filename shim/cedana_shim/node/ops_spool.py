@@ -11,9 +11,12 @@ logged and consumed. The store's size, count and pending pushes are read too.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from ..checkpoint import oplog
 from ..checkpoint.remote import Outbox
@@ -46,6 +49,8 @@ class OpsObserver:
     api: EventApi | None  # None: metrics only (no Kubernetes API)
     metrics: AgentMetrics
     node: str
+    # The operations consumed lately, newest last, for the agent's API (agent_api.py).
+    history: deque[dict[str, Any]] | None = None
 
     def round(self, store: StoreConfig) -> int:
         """Refresh the store's gauges and consume the spool; the records consumed.
@@ -68,6 +73,8 @@ class OpsObserver:
                     log.warning("cannot post pod events now, next round retries: %s", err)
                     break
                 self.metrics.observe(record)
+                if self.history is not None:
+                    self.history.append({**dataclasses.asdict(record), "node": self.node})
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             done += 1

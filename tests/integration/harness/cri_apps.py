@@ -56,12 +56,13 @@ def start_app(
     host_network: bool = True,
     script: str | None = None,
     name: str = "app",
+    pod_name: str = "counter",
 ) -> App:
-    """A new pod (removed when `stack` closes) running the counter as container `name`,
-    opted in with `label` (None: not opted in)."""
+    """A new pod `pod_name` (removed when `stack` closes) running the counter as
+    container `name`, opted in with `label` (None: not opted in)."""
     log_dir = containerd.pod_logs / uuid.uuid4().hex[:12]
     pod = stack.enter_context(
-        cri.pod("counter", log_dir, host_network=host_network, namespace=namespace)
+        cri.pod(pod_name, log_dir, host_network=host_network, namespace=namespace)
     )
     envs = {ENV_LABEL: label} if label is not None else {}
     cid = cri.create_container(

@@ -55,3 +55,9 @@ app.kubernetes.io/name=cedana,app.kubernetes.io/instance={{ .root.Release.Name }
 {{- end }}
 {{- end }}
 {{- end -}}
+
+{{/* The controller's ServiceAccount as TokenReview names it: the only user the node
+agents' API answers. */}}
+{{- define "cedana.controllerUser" -}}
+system:serviceaccount:{{ .Values.namespace }}:{{ include "cedana.fullname" . }}-controller
+{{- end -}}

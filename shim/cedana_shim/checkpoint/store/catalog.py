@@ -248,7 +248,7 @@ class Catalog:
         except errors.DataLoss as err:
             return Entry(
                 ref.id, ref.scope, ref.label, ref.created, desc.digest, desc.size,
-                MappingProxyType({}), (), damage=str(err),
+                MappingProxyType({}), (), damage=str(err), pinned_by=ref.pinned_by,
             )  # fmt: skip
         raw = state == "raw"
         layers = tuple(_layer_info(c, manifest.chunks.get(c.name, ()), raw) for c in config.layers)
@@ -262,6 +262,7 @@ class Catalog:
         return Entry(
             ref.id, ref.scope, ref.label, ref.created, desc.digest, size,
             MappingProxyType(config.metadata), layers, state=state, raw_bytes=raw_bytes,
+            pinned_by=ref.pinned_by,
         )  # fmt: skip
 
     def _cache_bytes(self, checkpoint_id: str) -> int:

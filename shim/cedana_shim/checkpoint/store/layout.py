@@ -93,6 +93,11 @@ ANN_ID: Final = "cedana.ai/checkpoint.id"
 ANN_SCOPE: Final = "cedana.ai/checkpoint.scope"
 ANN_LABEL: Final = "cedana.ai/checkpoint.label"
 ANN_CREATED: Final = "org.opencontainers.image.created"
+# On a checkpoint's descriptor in index.json only (never in its manifest, so a pin
+# changes no digest): "true" (a user's pin) or "policy" (a namespace policy's, which
+# the policy may take back) exempts it from retention and prune.
+ANN_PINNED: Final = "cedana.ai/checkpoint.pinned"
+PIN_VALUES: Final = {"true": "user", "policy": "policy"}
 ANN_TITLE: Final = "org.opencontainers.image.title"
 ANN_CHUNK_FILE: Final = "cedana.ai/chunk.file"
 ANN_CHUNK_OFFSET: Final = "cedana.ai/chunk.offset"
@@ -300,6 +305,15 @@ class CheckpointRef:
     created_at: datetime
     descriptor: Descriptor
     position: int  # in index.json: commit order, the tie-breaker for equal times
+
+    @property
+    def pinned_by(self) -> str:
+        """ "user", "policy", or "" when not pinned."""
+        return PIN_VALUES.get(self.descriptor.annotations.get(ANN_PINNED, ""), "")
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.pinned_by)
 
 
 @dataclass(frozen=True)

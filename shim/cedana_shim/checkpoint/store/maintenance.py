@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Final, TypeAlias
 
 from cedana_shim import errors
@@ -14,7 +15,7 @@ from .catalog import Catalog, newest_first
 from .core import INDEX_TMP_PREFIX, StoreCore
 from .failures import FailureRecords, failed_last
 from .ingest import sweep_ingests
-from .layout import ANN_ID, CheckpointRef, Index, check_checkpoint_id
+from .layout import ANN_ID, ANN_PINNED, CheckpointRef, Descriptor, Index, check_checkpoint_id
 from .model import RepairReport
 
 __all__ = ["Maintenance"]
@@ -41,6 +42,30 @@ class Maintenance:
             lambda index: {checkpoint_id} & {r.id for r in index.checkpoints} or None, checkpoint_id
         )
 
+    def pin(self, checkpoint_id: str, pinned: bool = True, *, by_policy: bool = False) -> None:
+        """Exempt the checkpoint from retention and prune (``pinned``), or end that;
+        ``by_policy`` marks the pin as a namespace policy's (node/policies.py).
+        Only its descriptor in index.json changes: its manifest and blobs stay as
+        they are, and a compaction carries the annotation over."""
+        if (why := check_checkpoint_id(checkpoint_id)) is not None:
+            raise errors.InvalidArgument(why)
+        try:
+            with self._core.index_lock():
+                index = self._catalog.index_for_write()
+                if checkpoint_id not in {r.id for r in index.checkpoints}:
+                    raise errors.NotFound(
+                        f"checkpoint {checkpoint_id} not found in {self._core.root}"
+                    )
+                descriptors = [
+                    _with_pin(d, pinned, by_policy)
+                    if d.annotations.get(ANN_ID) == checkpoint_id
+                    else d
+                    for d in index.descriptors
+                ]
+                self._core.write_index(index, descriptors)
+        except OSError as err:
+            raise self._core.os_error(err, f"pinning {checkpoint_id} in {self._core.root}") from err
+
     def prune(self, *, scope: str | None = None, label: str | None = None, keep: int) -> _Ids:
         """Keep the newest ``keep`` per matching (scope, label); return the removed ids."""
         if keep < 0:
@@ -49,6 +74,8 @@ class Maintenance:
         def select(index: Index) -> set[str]:
             groups: dict[tuple[str, str], list[CheckpointRef]] = {}
             for r in index.checkpoints:
+                if r.pinned:
+                    continue  # exempt from retention until unpinned
                 if (scope is None or r.scope == scope) and (label is None or r.label == label):
                     groups.setdefault((r.scope, r.label), []).append(r)
             failed = self._failures.failures()
@@ -116,3 +143,10 @@ class Maintenance:
                 )
         except OSError as err:
             raise self._core.os_error(err, f"repairing {self._core.index_path}") from err
+
+
+def _with_pin(desc: Descriptor, pinned: bool, by_policy: bool) -> Descriptor:
+    annotations = {k: v for k, v in desc.annotations.items() if k != ANN_PINNED}
+    if pinned:
+        annotations[ANN_PINNED] = "policy" if by_policy else "true"
+    return replace(desc, annotations=annotations)

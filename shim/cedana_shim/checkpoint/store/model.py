@@ -127,6 +127,11 @@ class Entry:
     damage: str | None = None
     state: State = "compacted"  # meaningless when damaged
     raw_bytes: int = 0  # raw images kept for it: a raw checkpoint's, or the cache
+    pinned_by: str = ""  # "user" or "policy": exempt from retention (Maintenance.pin)
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.pinned_by)
 
     def layer(self, name: str) -> LayerInfo:
         for layer in self.layers:
@@ -146,6 +151,8 @@ class Entry:
             "size": self.size,
             "state": None if self.damage else self.state,
             "rawBytes": self.raw_bytes,
+            "pinned": self.pinned,
+            "pinnedBy": self.pinned_by,
             "layers": [
                 {
                     "name": x.name,

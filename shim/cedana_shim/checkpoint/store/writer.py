@@ -354,7 +354,10 @@ class Writer:
         keep = self._core.config.retain
         if keep == 0:
             return set()
-        group = newest_first(r for r in index.checkpoints if (r.scope, r.label) == (scope, label))
+        # A pinned checkpoint is neither dropped nor counted: `retain` are kept beside it.
+        group = newest_first(
+            r for r in index.checkpoints if (r.scope, r.label) == (scope, label) and not r.pinned
+        )
         # Never a good checkpoint dropped for one that failed: those go first.
         failed = self._failures.failures()
         return {r.id for r in failed_last(group, lambda r: r.id in failed)[keep - 1 :]}
