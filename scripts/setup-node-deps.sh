@@ -48,7 +48,8 @@ add_suite() {
 criu_ok() { [[ -x /usr/local/sbin/criu ]] && /usr/local/sbin/criu --version 2>/dev/null | grep -qE 'Version: (4\.([2-9]|[1-9][0-9])|[5-9])'; }
 need_update=0
 if [[ ! -x $DEPS_DIR/containerd-1.7/usr/bin/containerd || ! -x $DEPS_DIR/containerd-2.1/usr/bin/containerd \
-      || ! -d $DEPS_DIR/cri-api/usr || ! -d $DEPS_DIR/containerd-api/usr ]] || ! criu_ok; then
+      || ! -d $DEPS_DIR/cri-api/usr || ! -d $DEPS_DIR/containerd-api/usr \
+      || ! -x $DEPS_DIR/cosign/usr/bin/cosign ]] || ! criu_ok; then
   add_suite trixie && need_update=1 || true
   add_suite sid && need_update=1 || true
   ((need_update)) && apt-get update -qq || true
@@ -70,6 +71,9 @@ unpack_deb trixie golang-github-containerd-containerd-dev "$DEPS_DIR/containerd-
 unpack_deb trixie golang-github-kubernetes-cri-api-dev "$DEPS_DIR/cri-api"
 unpack_deb trixie containerd "$DEPS_DIR/containerd-1.7"
 unpack_deb sid containerd "$DEPS_DIR/containerd-2.1"
+# cosign (a static Go binary) for the tests that check a checkpoint's signature the way
+# a user would (`cosign verify --key`); the shim signs and verifies on its own.
+unpack_deb sid cosign "$DEPS_DIR/cosign"
 
 if ! criu_ok; then
   log "building CRIU from sid's source tarball"

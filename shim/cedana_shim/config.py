@@ -83,6 +83,12 @@ class NodeConfig:
     # is nearly spent); background: at once, the push follows.
     registry_sync: str = "before-exit"
     registry_timeout: float = 30.0  # seconds per registry request (connect, each read)
+    # Signatures of pushed checkpoints, in cosign's key-based format: the private key
+    # (PEM, mode 0600) this node signs every checkpoint it pushes with; "": unsigned.
+    signing_key: str = ""
+    # Public keys (PEM), comma-separated: when set, a checkpoint from the registry is
+    # restored only if one of them signed it (checked before any blob is downloaded).
+    trusted_keys: str = ""
 
 
 def _coerce(name: str, kind: type, value: Any, source: str) -> Any:

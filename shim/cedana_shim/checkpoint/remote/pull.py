@@ -1,7 +1,8 @@
 """Pulling a checkpoint from the registry into the local store, verified, all or nothing.
 
-The manifest is read first and checked against the tag and repository it was found
-under (manifest.py); every blob's size is checked against limits and the store's
+The manifest is read first, its signature checked when the node trusts keys
+(signing.py), and checked against the tag and repository it was found under
+(manifest.py); every blob's size is checked against limits and the store's
 free space BEFORE anything is downloaded. Blobs the store already holds (chunks of
 an earlier checkpoint) are pinned from it, not downloaded; the rest stream into the
 store's staging dir (store/adopt.py), their sha256 verified on the way, a small
@@ -43,6 +44,7 @@ from cedana_shim.registry import Registry
 
 from .manifest import parse_checkpoint_manifest
 from .model import RemoteCheckpoint
+from .signing import Trust
 from .tags import CheckpointTag, parse_tag
 
 __all__ = [
@@ -72,9 +74,10 @@ def _tag_of(remote: RemoteCheckpoint) -> CheckpointTag:
 
 
 def read_manifest(
-    client: Registry, remote: RemoteCheckpoint
+    client: Registry, remote: RemoteCheckpoint, trust: Trust | None = None
 ) -> tuple[bytes, Manifest, CheckpointRef]:
-    """The checkpoint's manifest from the registry, checked (see manifest.py)."""
+    """The checkpoint's manifest from the registry, checked (see manifest.py), and
+    with ``trust``, its signature (signing.py): before anything else is read."""
     tag = _tag_of(remote)
     repo = client.repository_for(remote.scope)
     if repo != remote.repository:
@@ -83,6 +86,8 @@ def read_manifest(
         )
     data, _, digest = client.get_manifest(repo, remote.tag, max_size=MAX_MANIFEST_BYTES)
     where = f"registry {client.host}: {repo}:{remote.tag}"
+    if trust is not None:
+        trust.check(client, repo, digest, f"checkpoint {remote.checkpoint_id} ({remote.ref})")
     manifest = parse_checkpoint_manifest(
         data, where, scope=remote.scope, tag=tag, label=remote.label or None
     )
@@ -155,10 +160,14 @@ class _Meter:
 
 
 def pull_into(
-    adopter: Adopter, client: Registry, remote: RemoteCheckpoint, progress: Progress | None
+    adopter: Adopter,
+    client: Registry,
+    remote: RemoteCheckpoint,
+    progress: Progress | None,
+    trust: Trust | None = None,
 ) -> Entry:
     """See the module doc; the entry as the local store has it afterwards."""
-    data, manifest, ref = read_manifest(client, remote)
+    data, manifest, ref = read_manifest(client, remote, trust)
     where = f"registry {client.host}: {remote.repository}:{remote.tag}"
     check_sizes(manifest, where)
     blobs = manifest_blobs(manifest)
