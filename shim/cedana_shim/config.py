@@ -89,6 +89,12 @@ class NodeConfig:
     # Public keys (PEM), comma-separated: when set, a checkpoint from the registry is
     # restored only if one of them signed it (checked before any blob is downloaded).
     trusted_keys: str = ""
+    # Layer encryption (ocicrypt): recipients as skopeo's --encryption-key spells them,
+    # comma-separated "jwe:/path/pub.pem"; "<namespace>=jwe:/path" for that namespace
+    # alone. Every layer pushed is encrypted for them; "": pushed in the clear.
+    encryption_keys: str = ""
+    # Private keys (PEM, mode 0600), comma-separated, that open encrypted checkpoints.
+    decryption_keys: str = ""
 
 
 def _coerce(name: str, kind: type, value: Any, source: str) -> Any:

@@ -27,10 +27,16 @@ from typing import IO, TYPE_CHECKING, Any, TypeAlias
 from cedana_shim import errors
 from cedana_shim.checkpoint.store.adopt import manifest_blobs
 from cedana_shim.checkpoint.store.failures import failed_last, has_failed
-from cedana_shim.checkpoint.store.layout import ANN_LABEL, MEDIA_TYPE_MANIFEST, parse_manifest
+from cedana_shim.checkpoint.store.layout import (
+    ANN_LABEL,
+    MEDIA_TYPE_MANIFEST,
+    load_json,
+    parse_manifest,
+)
 from cedana_shim.registry import Registry, RegistryClient, RegistryConfig
 
 from .cosign import is_signature_tag, signature_tag
+from .encryption import Encryption
 from .heartbeat import MarkerHeartbeat
 from .manifest import (
     EMPTY_CONFIG,
@@ -80,12 +86,15 @@ class RemoteStore:
         retain: int = 0,
         signer: Signer | None = None,
         trust: Trust | None = None,
+        encryption: Encryption | None = None,
     ) -> None:
         self.store = store
         self.client = client
         self.node = check_node(node)
         self.signer = signer  # signs every checkpoint pushed (signing_key)
         self.trust = trust  # the keys a pulled checkpoint must be signed by (trusted_keys)
+        # encryption_keys (every layer pushed encrypted) and decryption_keys
+        self.encryption = encryption or Encryption({}, ())
         # Checkpoints kept per label in the registry after a sync pushed to it (the
         # node config's `retain`); 0 prunes nothing.
         self.retain = retain
@@ -102,6 +111,7 @@ class RemoteStore:
             "retain": config.retain,
             "signer": Signer(config.signing_key) if config.signing_key else None,
             "trust": Trust.from_setting(config.trusted_keys),
+            "encryption": Encryption.from_config(config.encryption_keys, config.decryption_keys),
         }
         if names_shared_dir(config.registry):
             return cls(store, SharedDirectory(config.registry), node, **keys)
@@ -165,7 +175,9 @@ class RemoteStore:
             self.client.push_blob(repo, EMPTY_DIGEST, len(EMPTY_CONFIG), _bytes(EMPTY_CONFIG))
             return put_marker(started)
 
-        with BlobSender(self.client, repo, what, progress) as sender:
+        cipher = self.encryption.for_push(entry.scope, entry.label)
+        prepare = cipher.prepare if cipher is not None else None
+        with BlobSender(self.client, repo, what, progress, prepare) as sender:
             first = sender.first(first_marker)
             # Closed (the marker deleted) when the push ends, whichever way it does.
             with MarkerHeartbeat(
@@ -179,8 +191,12 @@ class RemoteStore:
                     entry = self._compact(entry.id, sender, on_compacted, niced)
                 local = self.store.adopter.checkpoint_manifest(entry)
                 manifest = checkpoint_manifest(local, entry.metadata, entry.scope, origin)
-                blobs = manifest_blobs(parse_manifest(local, f"{what}: manifest"))
-                sender.finish(blobs, lambda d: self._source(d, f"{what}: blob {d}"))
+                parsed = parse_manifest(local, f"{what}: manifest")
+                blobs = manifest_blobs(parsed)
+                config = frozenset({parsed.config.digest})  # read before any pull: clear
+                sender.finish(blobs, lambda d: self._source(d, f"{what}: blob {d}"), config)
+                if cipher is not None:
+                    manifest = cipher.manifest(manifest, f"{what}: manifest")
                 if self.signer is not None:  # signed before its tag makes it visible
                     self.signer.push_signature(self.client, repo, manifest)
                 self.client.put_manifest(repo, tag.tag, manifest, MEDIA_TYPE_MANIFEST)
@@ -294,14 +310,21 @@ class RemoteStore:
             return tag.label
         try:
             data, _, _ = self.client.get_manifest(repo, tag.tag)
-            found = parse_manifest(data, f"{repo}:{tag.tag}").annotations.get(ANN_LABEL, "")
+            # The annotations alone: an encrypted manifest's layers are not the store's.
+            document = load_json(data, f"{repo}:{tag.tag}")
+            annotations = document.get("annotations") if isinstance(document, dict) else None
+            found = annotations.get(ANN_LABEL, "") if isinstance(annotations, dict) else ""
         except (errors.NotFound, errors.DataLoss):
+            return ""
+        if not isinstance(found, str):
             return ""
         return found if encode_label(found) == tag.label_part else ""
 
     def fetch_metadata(self, remote: RemoteCheckpoint) -> Mapping[str, Any]:
         """The checkpoint's config (its metadata), read and checked before any pull."""
-        _, manifest, ref = read_manifest(self.client, remote, self.trust)
+        _, manifest, ref, _ = read_manifest(
+            self.client, remote, self.trust, self.encryption.private
+        )
         where = f"registry {self.client.host}: {remote.repository}:{remote.tag}"
         config = manifest.config
         check_sizes(manifest, where)
@@ -315,7 +338,9 @@ class RemoteStore:
             return self.store.catalog.get(remote.checkpoint_id)
         except errors.NotFound:
             pass
-        return pull_into(self.store.adopter, self.client, remote, progress, self.trust)
+        return pull_into(
+            self.store.adopter, self.client, remote, progress, self.trust, self.encryption.private
+        )
 
     # -- prune --------------------------------------------------------------------------
 
