@@ -12,6 +12,8 @@ import filecmp
 import io
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -298,3 +300,19 @@ def test_any_encrypted_descriptor_fails_only_as_data_loss_or_no_key(annotations:
 def test_encryption_without_keys_is_nothing() -> None:
     nothing = Encryption.from_config("", "")
     assert nothing.for_push(SCOPE, "trainer") is None and nothing.private == ()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from("jwe:/=,. aA-_tmp9"), max_size=40))
+def test_any_encryption_keys_setting_fails_only_as_a_config_error(value: str) -> None:
+    with contextlib.suppress(InvalidArgument, PermissionDenied):
+        Encryption.from_config(value, "")
+
+
+def test_the_shim_loads_no_crypto_until_a_push_or_pull_needs_it() -> None:
+    code = (
+        "import sys, cedana_shim.checkpoint.remote, cedana_shim.checkpoint.restore\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('cryptography', 'jwcrypto'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr)
