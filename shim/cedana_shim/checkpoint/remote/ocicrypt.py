@@ -17,6 +17,11 @@ layer's descriptor gets ``+encrypted`` appended to its media type and two annota
   with ECDH-ES+A256KW, as ocicrypt does. Each recipient carries ``kid``: the key's
   fingerprint (:func:`fingerprint`), so a node without the key can say which it lacks.
 
+A pull does not check the HMAC: it checks the ciphertext's digest while it downloads
+and the decrypted layer's digest (named in the wrapped options) as the store writes
+it. Neither proves who encrypted it (anyone with a recipient's public key can):
+that is the signature's job (signing.py, trusted_keys).
+
 The JWE is jwcrypto's (a maintained JOSE implementation on ``cryptography``): no
 JOSE code of our own. Everything here is imported lazily, on a push or a pull.
 """
@@ -26,7 +31,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import hmac
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -317,7 +321,3 @@ def decrypted_descriptor(descriptor: Mapping[str, Any], layer: LayerKey) -> dict
     else:
         out.pop("annotations", None)
     return out
-
-
-def check_hmac(layer: LayerKey, mac: bytes) -> bool:
-    return hmac.compare_digest(layer.hmac, mac)
