@@ -36,6 +36,17 @@ def file_stamp(path: str) -> Stamp:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def key_files(config: NodeConfig) -> list[str]:
+    """Every key file the config names (signing_key, trusted_keys, encryption_keys'
+    recipients after their ``[<namespace>=]jwe:``, decryption_keys)."""
+    paths = [config.signing_key]
+    for value in (config.trusted_keys, config.encryption_keys, config.decryption_keys):
+        for entry in value.split(","):
+            entry = entry.strip()
+            paths.append(entry.partition("jwe:")[2] if "jwe:" in entry else entry)
+    return [p for p in paths if p]
+
+
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
     store_path: str = "/var/lib/cedana/checkpoints"
