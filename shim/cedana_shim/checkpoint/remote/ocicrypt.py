@@ -67,6 +67,9 @@ CIPHER: Final = "AES_256_CTR_HMAC_SHA256"
 _ENC_PREFIX: Final = "org.opencontainers.image.enc."
 _MAX_RECIPIENTS: Final = 32
 _MAX_JWE_CHARS: Final = 16 << 10
+# What ocicrypt writes (and RSA-OAEP-256, which a JWK recipient may ask for): nothing
+# else is tried on what a registry hands us.
+_JWE_ALGS: Final = ("RSA-OAEP", "RSA-OAEP-256", "ECDH-ES+A256KW", "A256GCM")
 
 
 def _b64(data: bytes) -> str:
@@ -258,6 +261,7 @@ def unwrap(
             if named and kid not in named:
                 continue
             token = jwe.JWE()
+            token.allowed_algs = list(_JWE_ALGS)
             try:
                 token.deserialize(text.decode(), key=jwk.JWK.from_pyca(key))
             except (JWException, ValueError, TypeError, KeyError, UnicodeDecodeError):
