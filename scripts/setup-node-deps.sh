@@ -50,7 +50,8 @@ criu_ok() { [[ -x /usr/local/sbin/criu ]] && /usr/local/sbin/criu --version 2>/d
 need_update=0
 if [[ ! -x $DEPS_DIR/containerd-1.7/usr/bin/containerd || ! -x $DEPS_DIR/containerd-2.1/usr/bin/containerd \
       || ! -d $DEPS_DIR/cri-api/usr || ! -d $DEPS_DIR/containerd-api/usr \
-      || ! -x $DEPS_DIR/checkpointctl/usr/bin/checkpointctl || ! -d $DEPS_DIR/libc6-trixie/usr ]] || ! criu_ok; then
+      || ! -x $DEPS_DIR/checkpointctl/usr/bin/checkpointctl || ! -d $DEPS_DIR/libc6-trixie/usr \
+      || ! -x $DEPS_DIR/cosign/usr/bin/cosign ]] || ! criu_ok; then
   add_suite trixie && need_update=1 || true
   add_suite sid && need_update=1 || true
   ((need_update)) && apt-get update -qq || true
@@ -81,6 +82,9 @@ printf '#!/bin/sh\nlib=%s\nexec "$lib/ld-linux-x86-64.so.2" --library-path "$lib
   "$DEPS_DIR/libc6-trixie/usr/lib/x86_64-linux-gnu" "$DEPS_DIR/checkpointctl/usr/bin/checkpointctl" \
   >"$DEPS_DIR/checkpointctl/checkpointctl"
 chmod 0755 "$DEPS_DIR/checkpointctl/checkpointctl"
+# cosign (a static Go binary) for the tests that check a checkpoint's signature the way
+# a user would (`cosign verify --key`); the shim signs and verifies on its own.
+unpack_deb sid cosign "$DEPS_DIR/cosign"
 
 if ! criu_ok; then
   log "building CRIU from sid's source tarball"

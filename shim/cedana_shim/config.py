@@ -36,6 +36,17 @@ def file_stamp(path: str) -> Stamp:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def key_files(config: NodeConfig) -> list[str]:
+    """Every key file the config names (signing_key, trusted_keys, encryption_keys'
+    recipients after their ``[<namespace>=]jwe:``, decryption_keys)."""
+    paths = [config.signing_key]
+    for value in (config.trusted_keys, config.encryption_keys, config.decryption_keys):
+        for entry in value.split(","):
+            entry = entry.strip()
+            paths.append(entry.partition("jwe:")[2] if "jwe:" in entry else entry)
+    return [p for p in paths if p]
+
+
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
     store_path: str = "/var/lib/cedana/checkpoints"
@@ -83,6 +94,18 @@ class NodeConfig:
     # is nearly spent); background: at once, the push follows.
     registry_sync: str = "before-exit"
     registry_timeout: float = 30.0  # seconds per registry request (connect, each read)
+    # Signatures of pushed checkpoints, in cosign's key-based format: the private key
+    # (PEM, mode 0600) this node signs every checkpoint it pushes with; "": unsigned.
+    signing_key: str = ""
+    # Public keys (PEM), comma-separated: when set, a checkpoint from the registry is
+    # restored only if one of them signed it (checked before any blob is downloaded).
+    trusted_keys: str = ""
+    # Layer encryption (ocicrypt): recipients as skopeo's --encryption-key spells them,
+    # comma-separated "jwe:/path/pub.pem"; "<namespace>=jwe:/path" for that namespace
+    # alone. Every layer pushed is encrypted for them; "": pushed in the clear.
+    encryption_keys: str = ""
+    # Private keys (PEM, mode 0600), comma-separated, that open encrypted checkpoints.
+    decryption_keys: str = ""
 
 
 def _coerce(name: str, kind: type, value: Any, source: str) -> Any:

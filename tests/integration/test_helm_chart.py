@@ -315,6 +315,37 @@ def test_registry_values_reach_the_node_config_and_the_secret_the_node(
     assert mount == {"name": "registry-auth", "mountPath": "/etc/cedana-registry", "readOnly": True}
 
 
+def test_key_values_install_the_secret_and_name_its_files(helm: list[str], tmp_path: Path) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "keys": {
+                    "secret": "ckpt-keys",
+                    "encryption": ["all.pub", "team-a=team-a.pub"],
+                    "decryption": ["all.key", "old.key"],
+                    "signing": "sign.key",
+                    "trusted": ["sign.pub"],
+                }
+            }
+        )
+    )
+    helper = daemonset(render(helm, "-f", str(values)), "helper")["spec"]["template"]["spec"]
+    args = helper["containers"][0]["args"]
+    for expected in (
+        "--set=encryption_keys=jwe:/etc/cedana/keys/all.pub,team-a=jwe:/etc/cedana/keys/team-a.pub",
+        "--set=decryption_keys=/etc/cedana/keys/all.key,/etc/cedana/keys/old.key",
+        "--set=signing_key=/etc/cedana/keys/sign.key",
+        "--set=trusted_keys=/etc/cedana/keys/sign.pub",
+        "--keys-source=/etc/cedana-keys",
+    ):
+        assert expected in args, (expected, args)
+    volume = next(v for v in helper["volumes"] if v["name"] == "checkpoint-keys")
+    assert volume["secret"] == {"secretName": "ckpt-keys", "defaultMode": 0o400}
+    plain = daemonset(render(helm), "helper")["spec"]["template"]["spec"]
+    assert not any("keys" in arg for arg in plain["containers"][0]["args"])
+
+
 def test_uninstall_mode(helm: list[str]) -> None:
     docs = render(helm, "--set", "mode=uninstall")
     assert [d["metadata"]["labels"]["app.kubernetes.io/component"]

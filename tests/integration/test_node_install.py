@@ -532,3 +532,32 @@ def test_registry_credentials_are_installed_root_only(
         assert installed.read_bytes() == secret.read_bytes()
         assert installed.stat().st_mode & 0o777 == 0o600
         assert b"registry_auth_file" in (node.host_root / "etc/cedana/shim.toml").read_bytes()
+
+
+def test_checkpoint_keys_are_installed_root_only(
+    test_images: harness_images.TestImages, itest_root: Path, node_payload: Path, tmp_path: Path
+) -> None:
+    """The chart's keys Secret, as the helper sees it mounted (each key a link into
+    ..data), becomes /etc/cedana/keys/<name>, 0600 each, named by the node config; a
+    file that is not a PEM key is refused before anything is written."""
+    version = VERSIONS["2.1"]
+    with make_node(version, "plain", test_images, itest_root, node_payload) as node:
+        mount = tmp_path / "keys"
+        (mount / "..data").mkdir(parents=True)
+        pem = b"-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n"
+        (mount / "..data" / "sign.pub").write_bytes(pem)
+        (mount / "sign.pub").symlink_to("..data/sign.pub")
+        (mount / "..data" / "notes.txt").write_bytes(b"not a key")
+        (mount / "notes.txt").symlink_to("..data/notes.txt")
+        before = _tree(node.host_root)
+        proc = node.install("--keys-source", str(mount), check=False)
+        assert proc.returncode == 1 and "not a PEM key file" in proc.stderr, proc.stderr
+        assert _tree(node.host_root) == before
+
+        (mount / "notes.txt").unlink()
+        settings = "--set=trusted_keys=/etc/cedana/keys/sign.pub"
+        result = json.loads(node.install("--keys-source", str(mount), settings).stdout)
+        assert result["ok"], result
+        installed = node.host_root / "etc/cedana/keys/sign.pub"
+        assert installed.read_bytes() == pem and installed.stat().st_mode & 0o777 == 0o600
+        assert b"trusted_keys" in (node.host_root / "etc/cedana/shim.toml").read_bytes()

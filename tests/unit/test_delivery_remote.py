@@ -11,7 +11,7 @@ from typing import Any
 
 from cedana_shim.checkpoint.delivery import Delivery
 from cedana_shim.checkpoint.remote import RemoteStore
-from cedana_shim.config import NodeConfig
+from cedana_shim.config import NodeConfig, key_files
 from store_support import make_store
 
 HOST = "127.0.0.1:9"
@@ -47,3 +47,24 @@ def password(remote: RemoteStore) -> str:
     """What the client would present (its authenticator's credentials)."""
     client: Any = remote.client
     return str(client._http._auth._credentials.password)
+
+
+def test_a_replaced_key_file_rebuilds_the_registry_with_the_new_key(tmp_path: Path) -> None:
+    from test_remote_signing import write_key_pair
+
+    private, public = write_key_pair(tmp_path, "sign")
+    config = NodeConfig(
+        registry=f"{HOST}/cedana",
+        registry_insecure=True,
+        signing_key=str(private),
+        trusted_keys=str(public),
+        encryption_keys=f"team-a=jwe:{public}",
+    )
+    assert key_files(config) == [str(private), str(public), str(public)]
+    delivery = Delivery(make_store(tmp_path / "store"), config)
+    first = delivery.remote()
+    assert delivery.remote() is first
+    os.rename(private, tmp_path / "old.key")
+    new_private, _ = write_key_pair(tmp_path, "sign")  # a new key at the same path
+    assert new_private == private
+    assert delivery.remote() is not first

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
-from ..config import NodeConfig, Stamp, file_stamp
+from ..config import NodeConfig, Stamp, file_stamp, key_files
 from ..errors import FailedPrecondition, NotFound, ShimError
 from . import op_records, oplog
 from .store import Entry, Store, StoreConfig
@@ -50,7 +50,7 @@ class Delivery:
         self.config = config
         self._node = node_name or platform.node()
         self._remote: RemoteStore | None = None
-        self._auth_stamp: Stamp = None
+        self._auth_stamp = self._files_stamp()
         self._tasks: set[asyncio.Task[Any]] = set()  # compactions and pushes
         self._sweep: asyncio.Task[None] | None = None
 
@@ -71,10 +71,11 @@ class Delivery:
         return Outbox(self.store.root)
 
     def remote(self) -> RemoteStore:
-        """The registry of the node config; built again when its credentials file has
-        changed since (a rotated Secret, such as ECR's 12-hour tokens, reaches a daemon
-        that lives for weeks: the node agent installs the new file)."""
-        stamp = file_stamp(self.config.registry_auth_file)  # "": None
+        """The registry of the node config; built again when its credentials file or a
+        key file it names has changed since (a rotated Secret, such as ECR's 12-hour
+        tokens or a replaced key, reaches a daemon that lives for weeks: the node agent
+        installs the new file)."""
+        stamp = self._files_stamp()
         if self._remote is None or stamp != self._auth_stamp:
             from .remote import RemoteStore
 
@@ -83,6 +84,10 @@ class Delivery:
                 raise FailedPrecondition("no registry in the node config")
             self._remote, self._auth_stamp = remote, stamp
         return self._remote
+
+    def _files_stamp(self) -> tuple[Stamp, ...]:
+        files = [self.config.registry_auth_file, *key_files(self.config)]
+        return tuple(file_stamp(path) for path in files)  # "": None
 
     def refusal(self, scope: str) -> str:
         """Why checkpoints of namespace ``scope`` cannot go to the registry (its name

@@ -108,6 +108,13 @@ def _install_args(p: argparse.ArgumentParser) -> None:
         help="a CRIU >= 4.1 binary to install as /usr/local/sbin/criu if the node has none",
     )
     p.add_argument(
+        "--keys-source",
+        metavar="DIR",
+        help="a directory of PEM key files (the chart's keys Secret), each installed as "
+        "/etc/cedana/keys/<name> (0600) for signing_key, trusted_keys, encryption_keys and "
+        "decryption_keys",
+    )
+    p.add_argument(
         "--registry-auth-source",
         metavar="FILE",
         help="a docker config.json with the checkpoint registry's credentials, installed "
@@ -326,6 +333,7 @@ def _options(args: argparse.Namespace, **extra: Any) -> Any:
             shim_config_file=args.shim_config_file,
             criu_source=args.criu_source,
             registry_auth_source=args.registry_auth_source,
+            keys_source=args.keys_source,
             require_criu=not args.skip_criu_check,
             allow_dropin=not args.no_dropin,
             default_runtime=args.default_runtime,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
@@ -50,6 +51,10 @@ class Options:
     # A docker config.json to install as REGISTRY_AUTH_PATH (0600) for node config
     # registry_auth_file.
     registry_auth_source: str | None = None
+    # A directory of checkpoint key files (the chart's keys Secret, mounted) to install
+    # in KEYS_DIR (0600 each) for signing_key, trusted_keys, encryption_keys and
+    # decryption_keys.
+    keys_source: str | None = None
     allow_dropin: bool = True
     verify: Verify = "pod"
     probe_image: str | None = None
@@ -181,6 +186,37 @@ def _registry_auth(opts: Options) -> bytes | None:
     return data
 
 
+KEYS_DIR = "/etc/cedana/keys"
+_KEY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_MAX_KEY_BYTES = 64 << 10
+
+
+def _keys(opts: Options) -> dict[str, bytes]:
+    """The key files to install (name -> content), read before anything is written.
+    A Secret's mount holds each key as a link into its ``..data`` directory: names
+    starting with a dot are the Secret's bookkeeping, not keys."""
+    if opts.keys_source is None:
+        return {}
+    try:
+        names = sorted(n for n in os.listdir(opts.keys_source) if not n.startswith("."))
+    except OSError as err:
+        raise NodeError(f"--keys-source {opts.keys_source}: {err.strerror}") from None
+    found: dict[str, bytes] = {}
+    for name in names:
+        path = os.path.join(opts.keys_source, name)
+        if not _KEY_NAME_RE.fullmatch(name):
+            raise NodeError(f"--keys-source {opts.keys_source}: {name!r} is not a key file name")
+        try:
+            with open(path, "rb") as f:
+                data = f.read(_MAX_KEY_BYTES + 1)
+        except OSError as err:
+            raise NodeError(f"--keys-source: {path}: {err.strerror}") from None
+        if len(data) > _MAX_KEY_BYTES or b"-----BEGIN " not in data:
+            raise NodeError(f"--keys-source: {path} is not a PEM key file")
+        found[name] = data
+    return found
+
+
 def _node_config(ctx: Context) -> bytes | None:
     """The node config to write, or None to leave the host's as it is."""
     opts = ctx.opts
@@ -238,6 +274,7 @@ def _install(ctx: Context) -> None:
     if criu_check.ok and opts.require_criu:
         criu_detail = criu_mod.probe_sockets(host, criu_check)
     registry_auth = _registry_auth(opts)
+    keys = _keys(opts)
     if opts.criu_source is not None and not criu_check.ok:
         out = subprocess.run(
             [opts.criu_source, "--version"], capture_output=True, timeout=30, check=False
@@ -273,6 +310,10 @@ def _install(ctx: Context) -> None:
         report.add(
             "registry credentials", "changed" if changed else "unchanged", REGISTRY_AUTH_PATH
         )
+    for name, data in keys.items():
+        path = f"{KEYS_DIR}/{name}"
+        changed = ctx.managed.put_file(path, data, 0o600)
+        report.add(f"key {name}", "changed" if changed else "unchanged", path)
     if criu_check.ok:
         report.add("criu", "ok", criu_detail)
     elif opts.criu_source is not None:

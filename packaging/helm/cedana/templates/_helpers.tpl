@@ -47,6 +47,32 @@ app.kubernetes.io/name=cedana,app.kubernetes.io/instance={{ .root.Release.Name }
 {{- $_ := set $s "registry_auth_file" "/etc/cedana/registry-auth.json" -}}
 {{- end -}}
 {{- end -}}
+{{- if .Values.keys.secret -}}
+{{- $dir := "/etc/cedana/keys/" -}}
+{{- $enc := list -}}
+{{- range .Values.keys.encryption -}}
+{{- if contains "=" . -}}
+{{- $p := splitn "=" 2 . -}}
+{{- $enc = append $enc (printf "%s=jwe:%s%s" $p._0 $dir $p._1) -}}
+{{- else -}}
+{{- $enc = append $enc (printf "jwe:%s%s" $dir .) -}}
+{{- end -}}
+{{- end -}}
+{{- $dec := list -}}
+{{- range .Values.keys.decryption -}}
+{{- $dec = append $dec (printf "%s%s" $dir .) -}}
+{{- end -}}
+{{- $trusted := list -}}
+{{- range .Values.keys.trusted -}}
+{{- $trusted = append $trusted (printf "%s%s" $dir .) -}}
+{{- end -}}
+{{- $_ := set $s "encryption_keys" (join "," $enc) -}}
+{{- $_ := set $s "decryption_keys" (join "," $dec) -}}
+{{- $_ := set $s "trusted_keys" (join "," $trusted) -}}
+{{- if .Values.keys.signing -}}
+{{- $_ := set $s "signing_key" (printf "%s%s" $dir .Values.keys.signing) -}}
+{{- end -}}
+{{- end -}}
 {{- $s = merge (deepCopy .Values.shimConfig) $s -}}
 {{- range $key := keys $s | sortAlpha }}
 {{- $value := index $s $key }}

@@ -1,7 +1,8 @@
 """Pulling a checkpoint from the registry into the local store, verified, all or nothing.
 
-The manifest is read first and checked against the tag and repository it was found
-under (manifest.py); every blob's size is checked against limits and the store's
+The manifest is read first, its signature checked when the node trusts keys
+(signing.py), and checked against the tag and repository it was found under
+(manifest.py); every blob's size is checked against limits and the store's
 free space BEFORE anything is downloaded. Blobs the store already holds (chunks of
 an earlier checkpoint) are pinned from it, not downloaded; the rest stream into the
 store's staging dir (store/adopt.py), their sha256 verified on the way, a small
@@ -17,9 +18,9 @@ dir, so nothing partial is ever visible.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Final
+from typing import IO, TYPE_CHECKING, Final, TypeAlias
 
 from cedana_shim import errors
 from cedana_shim.checkpoint.store import Adopter, Adoption, Entry, fsutil
@@ -41,9 +42,18 @@ from cedana_shim.checkpoint.store.layout import (
 )
 from cedana_shim.registry import Registry
 
+from .encryption import EncryptedLayer, decrypt_manifest, has_encrypted
 from .manifest import parse_checkpoint_manifest
 from .model import RemoteCheckpoint
+from .ocicrypt import DecryptingWriter
+from .signing import Trust
 from .tags import CheckpointTag, parse_tag
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
+
+PrivateKeys: TypeAlias = "Sequence[tuple[str, str, PrivateKeyTypes]]"  # path, kid, key
+Layers: TypeAlias = dict[str, EncryptedLayer]  # plain digest -> the registry's blob
 
 __all__ = [
     "DOWNLOAD_WORKERS",
@@ -72,9 +82,16 @@ def _tag_of(remote: RemoteCheckpoint) -> CheckpointTag:
 
 
 def read_manifest(
-    client: Registry, remote: RemoteCheckpoint
-) -> tuple[bytes, Manifest, CheckpointRef]:
-    """The checkpoint's manifest from the registry, checked (see manifest.py)."""
+    client: Registry,
+    remote: RemoteCheckpoint,
+    trust: Trust | None = None,
+    keys: PrivateKeys = (),
+) -> tuple[bytes, Manifest, CheckpointRef, Layers]:
+    """The checkpoint's manifest from the registry, checked (see manifest.py), and
+    with ``trust``, its signature (signing.py): before anything else is read. An
+    encrypted one's layers are opened with ``keys`` (encryption.py): the manifest
+    returned is the plain one (as the pushing node's store has it), with what
+    decrypts each layer; ocicrypt.NoKey (FailedPrecondition) when ``keys`` cannot."""
     tag = _tag_of(remote)
     repo = client.repository_for(remote.scope)
     if repo != remote.repository:
@@ -83,14 +100,21 @@ def read_manifest(
         )
     data, _, digest = client.get_manifest(repo, remote.tag, max_size=MAX_MANIFEST_BYTES)
     where = f"registry {client.host}: {repo}:{remote.tag}"
+    if trust is not None:
+        trust.check(client, repo, digest, f"checkpoint {remote.checkpoint_id} ({remote.ref})")
+    layers: Layers = {}
+    if has_encrypted(data, where):
+        data, layers = decrypt_manifest(
+            data, keys, f"checkpoint {remote.checkpoint_id} ({remote.ref}) in {where}"
+        )
     manifest = parse_checkpoint_manifest(
         data, where, scope=remote.scope, tag=tag, label=remote.label or None
     )
-    keys = (ANN_ID, ANN_SCOPE, ANN_LABEL, ANN_CREATED)
+    identity = (ANN_ID, ANN_SCOPE, ANN_LABEL, ANN_CREATED)
     desc = Descriptor(
-        MEDIA_TYPE_MANIFEST, digest, len(data), {k: manifest.annotations[k] for k in keys}
+        MEDIA_TYPE_MANIFEST, digest, len(data), {k: manifest.annotations[k] for k in identity}
     )
-    return data, manifest, parse_checkpoint_ref(desc, 0, where)
+    return data, manifest, parse_checkpoint_ref(desc, 0, where), layers
 
 
 def check_config(data: bytes, ref: CheckpointRef, where: str) -> Mapping[str, object]:
@@ -155,10 +179,16 @@ class _Meter:
 
 
 def pull_into(
-    adopter: Adopter, client: Registry, remote: RemoteCheckpoint, progress: Progress | None
+    adopter: Adopter,
+    client: Registry,
+    remote: RemoteCheckpoint,
+    progress: Progress | None,
+    trust: Trust | None = None,
+    keys: PrivateKeys = (),
 ) -> Entry:
     """See the module doc; the entry as the local store has it afterwards."""
-    data, manifest, ref = read_manifest(client, remote)
+    data, manifest, ref, layers = read_manifest(client, remote, trust, keys)
+    repo = remote.repository
     where = f"registry {client.host}: {remote.repository}:{remote.tag}"
     check_sizes(manifest, where)
     blobs = manifest_blobs(manifest)
@@ -168,7 +198,7 @@ def pull_into(
         meter = _Meter(sum(missing.values()), progress)
         cdesc = manifest.config
         if cdesc.digest in missing:
-            _download(client, remote.repository, adoption, cdesc.digest, cdesc.size, meter)
+            _download(client, repo, adoption, cdesc.digest, cdesc.size, meter, layers)
         config = _parse_config(adoption.read_staged(cdesc.digest, MAX_CONFIG_BYTES), ref, where)
         cache = adoption.cache_layer(manifest, config)
         if cache is not None and cache.raw_size <= spare:
@@ -178,7 +208,7 @@ def pull_into(
             # Chunks the store had: into the cache while the others download.
             futures = [pool.submit(adoption.fill_cache, d) for d in blobs if d not in missing]
             futures += [
-                pool.submit(_download, client, remote.repository, adoption, d, missing[d], meter)
+                pool.submit(_download, client, repo, adoption, d, missing[d], meter, layers)
                 for d in rest
             ]
             try:
@@ -192,9 +222,27 @@ def pull_into(
 
 
 def _download(
-    client: Registry, repo: str, adoption: Adoption, digest: str, size: int, meter: _Meter
+    client: Registry,
+    repo: str,
+    adoption: Adoption,
+    digest: str,
+    size: int,
+    meter: _Meter,
+    layers: Layers,
 ) -> None:
+    """Blob ``digest`` into the staging dir; an encrypted layer's blob decrypted on the
+    way (its ciphertext checked by the registry client, the plain bytes by the store)."""
+    encrypted = layers.get(digest)
+
     def fill(out: IO[bytes]) -> None:
-        client.pull_blob(repo, digest, size, out, max_size=size, progress=meter.blob(digest))
+        if encrypted is None:
+            client.pull_blob(repo, digest, size, out, max_size=size, progress=meter.blob(digest))
+            return
+        key = encrypted.key
+        plain = DecryptingWriter(out, key.key, key.nonce)
+        client.pull_blob(
+            repo, encrypted.digest, size, plain, max_size=size,  # type: ignore[arg-type]
+            progress=meter.blob(digest),
+        )  # fmt: skip
 
     adoption.write_blob(digest, size, fill)

@@ -27,9 +27,16 @@ from typing import IO, TYPE_CHECKING, Any, TypeAlias
 from cedana_shim import errors
 from cedana_shim.checkpoint.store.adopt import manifest_blobs
 from cedana_shim.checkpoint.store.failures import failed_last, has_failed
-from cedana_shim.checkpoint.store.layout import ANN_LABEL, MEDIA_TYPE_MANIFEST, parse_manifest
+from cedana_shim.checkpoint.store.layout import (
+    ANN_LABEL,
+    MEDIA_TYPE_MANIFEST,
+    load_json,
+    parse_manifest,
+)
 from cedana_shim.registry import Registry, RegistryClient, RegistryConfig
 
+from .cosign import is_signature_tag, signature_tag
+from .encryption import Encryption
 from .heartbeat import MarkerHeartbeat
 from .manifest import (
     EMPTY_CONFIG,
@@ -45,6 +52,7 @@ from .model import RemoteCheckpoint
 from .pull import check_config, check_sizes, pull_into, read_manifest
 from .sender import UPLOAD_WORKERS, BlobSender, Progress
 from .shared_dir import SharedDirectory, names_shared_dir
+from .signing import Signer, Trust
 from .tags import PENDING_SUFFIX, CheckpointTag, encode_label, parse_tag, tag_for
 
 if TYPE_CHECKING:
@@ -69,10 +77,24 @@ def _newest_first(tags: Iterable[CheckpointTag]) -> _Tags:
 class RemoteStore:
     """A node's view of the registry (see the module doc); safe to share between threads."""
 
-    def __init__(self, store: Store, client: Registry, node: str, *, retain: int = 0) -> None:
+    def __init__(
+        self,
+        store: Store,
+        client: Registry,
+        node: str,
+        *,
+        retain: int = 0,
+        signer: Signer | None = None,
+        trust: Trust | None = None,
+        encryption: Encryption | None = None,
+    ) -> None:
         self.store = store
         self.client = client
         self.node = check_node(node)
+        self.signer = signer  # signs every checkpoint pushed (signing_key)
+        self.trust = trust  # the keys a pulled checkpoint must be signed by (trusted_keys)
+        # encryption_keys (every layer pushed encrypted) and decryption_keys
+        self.encryption = encryption or Encryption({}, ())
         # Checkpoints kept per label in the registry after a sync pushed to it (the
         # node config's `retain`); 0 prunes nothing.
         self.retain = retain
@@ -85,8 +107,14 @@ class RemoteStore:
         """The remote store the node config names; None when ``registry`` is ""."""
         if not config.registry:
             return None
+        keys: dict[str, Any] = {
+            "retain": config.retain,
+            "signer": Signer(config.signing_key) if config.signing_key else None,
+            "trust": Trust.from_setting(config.trusted_keys),
+            "encryption": Encryption.from_config(config.encryption_keys, config.decryption_keys),
+        }
         if names_shared_dir(config.registry):
-            return cls(store, SharedDirectory(config.registry), node, retain=config.retain)
+            return cls(store, SharedDirectory(config.registry), node, **keys)
         settings = RegistryConfig(
             registry=config.registry,
             auth_file=config.registry_auth_file,
@@ -96,7 +124,7 @@ class RemoteStore:
         )
         uploads = os.path.join(store.root, "outbox", "uploads")
         client = RegistryClient(settings, upload_state_dir=uploads)
-        return cls(store, client, node, retain=config.retain)
+        return cls(store, client, node, **keys)
 
     # -- push -------------------------------------------------------------------------
 
@@ -147,7 +175,9 @@ class RemoteStore:
             self.client.push_blob(repo, EMPTY_DIGEST, len(EMPTY_CONFIG), _bytes(EMPTY_CONFIG))
             return put_marker(started)
 
-        with BlobSender(self.client, repo, what, progress) as sender:
+        cipher = self.encryption.for_push(entry.scope, entry.label)
+        prepare = cipher.prepare if cipher is not None else None
+        with BlobSender(self.client, repo, what, progress, prepare) as sender:
             first = sender.first(first_marker)
             # Closed (the marker deleted) when the push ends, whichever way it does.
             with MarkerHeartbeat(
@@ -161,8 +191,14 @@ class RemoteStore:
                     entry = self._compact(entry.id, sender, on_compacted, niced)
                 local = self.store.adopter.checkpoint_manifest(entry)
                 manifest = checkpoint_manifest(local, entry.metadata, entry.scope, origin)
-                blobs = manifest_blobs(parse_manifest(local, f"{what}: manifest"))
-                sender.finish(blobs, lambda d: self._source(d, f"{what}: blob {d}"))
+                parsed = parse_manifest(local, f"{what}: manifest")
+                blobs = manifest_blobs(parsed)
+                config = frozenset({parsed.config.digest})  # read before any pull: clear
+                sender.finish(blobs, lambda d: self._source(d, f"{what}: blob {d}"), config)
+                if cipher is not None:
+                    manifest = cipher.manifest(manifest, f"{what}: manifest")
+                if self.signer is not None:  # signed before its tag makes it visible
+                    self.signer.push_signature(self.client, repo, manifest)
                 self.client.put_manifest(repo, tag.tag, manifest, MEDIA_TYPE_MANIFEST)
         log.info(
             "checkpoint pushed",
@@ -274,14 +310,21 @@ class RemoteStore:
             return tag.label
         try:
             data, _, _ = self.client.get_manifest(repo, tag.tag)
-            found = parse_manifest(data, f"{repo}:{tag.tag}").annotations.get(ANN_LABEL, "")
+            # The annotations alone: an encrypted manifest's layers are not the store's.
+            document = load_json(data, f"{repo}:{tag.tag}")
+            annotations = document.get("annotations") if isinstance(document, dict) else None
+            found = annotations.get(ANN_LABEL, "") if isinstance(annotations, dict) else ""
         except (errors.NotFound, errors.DataLoss):
+            return ""
+        if not isinstance(found, str):
             return ""
         return found if encode_label(found) == tag.label_part else ""
 
     def fetch_metadata(self, remote: RemoteCheckpoint) -> Mapping[str, Any]:
         """The checkpoint's config (its metadata), read and checked before any pull."""
-        _, manifest, ref = read_manifest(self.client, remote)
+        _, manifest, ref, _ = read_manifest(
+            self.client, remote, self.trust, self.encryption.private
+        )
         where = f"registry {self.client.host}: {remote.repository}:{remote.tag}"
         config = manifest.config
         check_sizes(manifest, where)
@@ -295,7 +338,9 @@ class RemoteStore:
             return self.store.catalog.get(remote.checkpoint_id)
         except errors.NotFound:
             pass
-        return pull_into(self.store.adopter, self.client, remote, progress)
+        return pull_into(
+            self.store.adopter, self.client, remote, progress, self.trust, self.encryption.private
+        )
 
     # -- prune --------------------------------------------------------------------------
 
@@ -326,6 +371,9 @@ class RemoteStore:
                 return []
             if not tag.pending:
                 removed.append(tag.checkpoint_id)
+                signature = self._manifest_digest(repo, signature_tag(digest))
+                if signature is not None:
+                    self._delete(repo, signature, quiet=True)
         return removed
 
     # -- helpers ------------------------------------------------------------------------
@@ -339,6 +387,8 @@ class RemoteStore:
         parsed: _Tags = []
         skipped: list[str] = []
         for name in names:
+            if is_signature_tag(name):
+                continue  # a checkpoint's signature (cosign.py), read with its manifest
             tag = parse_tag(name)
             if tag is None:
                 skipped.append(name)

@@ -24,19 +24,30 @@ from typing import IO, Final, TypeVar
 from cedana_shim import errors
 from cedana_shim.registry import Registry
 
-__all__ = ["UPLOAD_WORKERS", "BlobSender", "OpenSource", "Progress"]
+__all__ = ["UPLOAD_WORKERS", "BlobSender", "OpenSource", "Prepare", "Progress"]
 
 UPLOAD_WORKERS: Final = 4
 OpenSource = Callable[[int], IO[bytes]]  # offset -> the blob, positioned there
 Progress = Callable[[int, int], None]  # (bytes the registry holds, bytes in all)
+# (digest, size, source) -> (the digest sent instead, its source): the layer encrypted.
+Prepare = Callable[[str, int, OpenSource], tuple[str, OpenSource]]
 T = TypeVar("T")
 
 
 class BlobSender:
     """Blobs of one push to ``repo`` (see the module doc); a context manager."""
 
-    def __init__(self, client: Registry, repo: str, what: str, progress: Progress | None) -> None:
+    def __init__(
+        self,
+        client: Registry,
+        repo: str,
+        what: str,
+        progress: Progress | None,
+        prepare: Prepare | None = None,
+    ) -> None:
         self._client = client
+        # Run on the sending thread (never the compaction's): encryption's pass.
+        self._prepare = prepare
         self._repo = repo
         self._what = what
         self._progress = progress
@@ -61,21 +72,27 @@ class BlobSender:
         self._first = future  # type: ignore[assignment]
         return future
 
-    def offer(self, digest: str, size: int, open_at: OpenSource) -> None:
-        """Send blob ``digest`` when a thread is free (once per digest); never raises."""
+    def offer(self, digest: str, size: int, open_at: OpenSource, *, plain: bool = False) -> None:
+        """Send blob ``digest`` when a thread is free (once per digest); never raises.
+        ``plain``: as it is, not prepared (a config)."""
         with self._lock:
             if digest in self._sizes or self._error is not None:
                 return
             self._sizes[digest] = size
-            self._futures.append(self._pool.submit(self._send, digest, size, open_at))
+            self._futures.append(self._pool.submit(self._send, digest, size, open_at, plain))
 
-    def finish(self, blobs: Mapping[str, int], source: Callable[[str], OpenSource]) -> None:
-        """Send what of ``blobs`` was not offered (largest first), wait for every blob,
-        and raise the first failure."""
+    def finish(
+        self,
+        blobs: Mapping[str, int],
+        source: Callable[[str], OpenSource],
+        plain: frozenset[str] = frozenset(),
+    ) -> None:
+        """Send what of ``blobs`` was not offered (largest first; those in ``plain``
+        not prepared), wait for every blob, and raise the first failure."""
         with self._lock:
             self._total = sum(blobs.values())
         for digest in sorted(blobs, key=lambda d: -blobs[d]):
-            self.offer(digest, blobs[digest], source(digest))
+            self.offer(digest, blobs[digest], source(digest), plain=digest in plain)
         for future in list(self._futures):
             future.result()  # _send keeps its errors: this only waits
         if self._first is not None:
@@ -95,15 +112,18 @@ class BlobSender:
 
     # -- helpers ----------------------------------------------------------------------
 
-    def _send(self, digest: str, size: int, open_at: OpenSource) -> None:
+    def _send(self, digest: str, size: int, open_at: OpenSource, plain: bool) -> None:
         try:
             if self._first is not None:
                 self._first.result()  # the marker first; its error stops every blob
             with self._lock:
                 if self._error is not None:
                     return
+            sent = digest
+            if self._prepare is not None and not plain:
+                sent, open_at = self._prepare(digest, size, open_at)
             result = self._client.push_blob(
-                self._repo, digest, size, open_at, lambda n: self._update(digest, n)
+                self._repo, sent, size, open_at, lambda n: self._update(digest, n)
             )
             if result.existed:
                 self._update(digest, size)
