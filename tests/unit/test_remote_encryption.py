@@ -169,6 +169,29 @@ def test_a_tenth_rewritten_still_uploads_little_and_dedupes_across_nodes(
     assert isinstance(b.client, SendCounter) and b.client.sent <= 0.15 * first_sent
 
 
+def test_chunk_keys_need_a_recipients_private_key_not_only_what_the_registry_shows(
+    tmp_path: Path,
+) -> None:
+    """The namespace, label and recipients' fingerprints are readable in the registry
+    (JWE kids, tags, config) and so are the plain digests: keys derived from those alone
+    could be derived by any reader. A recipient's private key is part of the secret; a
+    pusher without one gets fresh random keys."""
+    private, public = write_key_pair(tmp_path, "real", "ec")
+    other_private, _ = write_key_pair(tmp_path, "other", "ec")
+    digest = "sha256:" + "ab" * 32
+
+    def layer_key(decryption_keys: str) -> bytes:
+        cipher = Encryption.from_config(f"jwe:{public}", decryption_keys).for_push(SCOPE, "l")
+        assert cipher is not None
+        return cipher._derive(b"key", digest)
+
+    holder = layer_key(str(private))
+    assert layer_key(str(private)) == holder  # convergent across nodes holding the key
+    assert layer_key(str(other_private)) != holder  # not a recipient's: random
+    assert layer_key("") != holder
+    assert layer_key("") != layer_key("")  # fresh keys for each push without one
+
+
 def test_a_namespace_key_opens_that_namespace_alone(tmp_path: Path, shared: Path) -> None:
     team_key, team_pub = write_key_pair(tmp_path, "team", "ec")
     all_key, all_pub = write_key_pair(tmp_path, "all", "rsa")

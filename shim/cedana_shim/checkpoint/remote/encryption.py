@@ -12,13 +12,14 @@ judges a candidate on them before it downloads anything.
 Dedupe: chunks are shared between checkpoints (a second checkpoint uploads what
 changed), so the same plain chunk must encrypt to the same blob. The layer key and
 nonce are therefore convergent: HMAC-SHA256 of the plain blob's digest under a secret
-derived from the namespace, the label and the fingerprints of the namespace's
-recipients. Every node with the same ``encryption_keys`` derives the same keys, so a
-checkpoint pushed after a move still shares the chunks of the one before. What it
-reveals (README, "Signed and encrypted checkpoints"): that two checkpoints of one
-label hold an identical chunk (the dedupe itself), and, to someone who has the
-recipients' public keys as well as registry read access, whether a chunk is exactly
-a plain chunk they can guess whole. A new recipient set (key rotation) starts new
+derived from the namespace, the label, the fingerprints of the namespace's recipients
+and the private key of one of them (in ``decryption_keys``): everything else is
+readable in the registry, so without that private key anyone could derive the keys.
+Every node with the same keys derives the same secret, so a checkpoint pushed after a
+move still shares the chunks of the one before; a node holding no recipient's private
+key encrypts its push under fresh random keys (no dedupe). What it reveals (README,
+"Signed and encrypted checkpoints"): that two checkpoints of one label hold an
+identical chunk (the dedupe itself). A new recipient set (key rotation) starts new
 keys: the first push after it uploads every chunk once.
 """
 
@@ -26,7 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import re
+import secrets
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -61,7 +64,8 @@ _BLOCK: Final = 1 << 20
 # them). About 200 bytes each: 64 Ki of them are 8 TiB of chunks at 8 MiB.
 _KNOWN_MAX: Final = 1 << 16
 _NAMESPACE_RE: Final = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_KDF_CONTEXT: Final = b"cedana-shim checkpoint layer keys v1"
+_KDF_CONTEXT: Final = b"cedana-shim checkpoint layer keys v2"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -137,15 +141,36 @@ class Encryption:
         recipients = self.recipients(scope)
         if not recipients:
             return None
+        kids = sorted(r.kid for r in recipients)
+        # The convergence secret needs a secret: namespace, label and the recipients'
+        # fingerprints are all readable in the registry (the JWE headers name the kids,
+        # the config the plain digests), so a private key of one recipient is mixed in.
+        # Every node holding it derives the same keys; one holding none gets fresh
+        # random keys for this push (secure, no dedupe with earlier pushes).
+        own = sorted((kid, key) for _path, kid, key in self.private if kid in kids)
+        if own:
+            hidden = hashlib.sha256(_private_der(own[0][1])).digest()
+        else:
+            log.warning(
+                "encrypted push without a recipient's private key in decryption_keys: its "
+                "chunks get fresh keys and share nothing with earlier checkpoints",
+                extra={"namespace": scope, "label": label},
+            )
+            hidden = secrets.token_bytes(32)
         material = b"\0".join(
-            [
-                _KDF_CONTEXT,
-                scope.encode(),
-                label.encode(),
-                *sorted(r.kid.encode() for r in recipients),
-            ]
+            [_KDF_CONTEXT, scope.encode(), label.encode(), *(k.encode() for k in kids)]
         )
-        return PushCipher(recipients, hashlib.sha256(material).digest(), self._known)
+        return PushCipher(recipients, hmac.new(hidden, material, "sha256").digest(), self._known)
+
+
+def _private_der(key: PrivateKeyTypes) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(
+        serialization.Encoding.DER,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
 
 
 class _Known:
