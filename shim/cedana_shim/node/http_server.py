@@ -1,8 +1,9 @@
-"""A small HTTP/1.1 server for JSON APIs: one asyncio thread holds every connection.
+"""Small HTTP/1.1 servers: one asyncio thread holds every connection.
 
 The node agent's API (agent_api.py) and the controller's (controller/server.py) use it.
-It follows metrics_server.py's hardening, for the same reasons (a silent client must
-cost no thread and must not keep a real request out):
+:class:`BoundedServer` holds the connections for it and for the node agent's /metrics
+(metrics_server.py), for the same reasons (a silent client must cost no thread and must
+not keep a real request out):
 
 * at most ``max_connections`` at once; one more closes the oldest that has not sent
   its whole request yet, or itself when all of them are being answered;
@@ -25,7 +26,7 @@ import socket
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 from urllib.parse import parse_qs, unquote
 
 MAX_HEAD: Final = 16384
@@ -61,31 +62,28 @@ class Response:
 Handler = Callable[[Request], Response]
 
 
-class HttpServer:
-    """Bound at once (an address in use raises OSError here, not in the thread);
-    serves from :meth:`start` until :meth:`close`."""
+class BoundedServer:
+    """One asyncio thread holding every connection, at most ``max_connections`` of
+    them (see the module doc). Bound at once (an address in use raises OSError here,
+    not in the thread); serves from :meth:`start` until :meth:`close`. A subclass
+    reads a request (:meth:`_read`, within ``read_timeout``) and answers it
+    (:meth:`_answer`)."""
 
     def __init__(
         self,
-        handler: Handler,
         address: str,
         port: int,
         *,
-        name: str = "http",
-        max_connections: int = 32,
-        workers: int = 8,
-        read_timeout: float = 10.0,
-        handler_timeout: float = 600.0,
-        max_body: int = MAX_BODY,
+        name: str,
+        max_connections: int,
+        read_timeout: float,
+        max_head: int = MAX_HEAD,
     ) -> None:
-        self._handler = handler
         self._sock = _listen(address, port)
+        self._max_head = max_head
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._max = max_connections
         self._read_timeout = read_timeout
-        self._handler_timeout = handler_timeout
-        self._max_body = max_body
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name)
         self._waiting: dict[asyncio.StreamWriter, None] = {}  # oldest first
         self._answering: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
@@ -93,7 +91,7 @@ class HttpServer:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     @property
-    def url(self) -> str:
+    def base_url(self) -> str:
         host, port = self.address
         return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
@@ -107,7 +105,6 @@ class HttpServer:
         else:
             self._sock.close()
             self._loop.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
         try:
@@ -117,10 +114,11 @@ class HttpServer:
 
     async def _serve(self) -> None:
         server = await asyncio.start_server(
-            self._connection, sock=self._sock, limit=MAX_HEAD, backlog=_BACKLOG
+            self._connection, sock=self._sock, limit=self._max_head, backlog=_BACKLOG
         )
         await self._stop.wait()
         server.close()
+        # Before wait_closed(): from Python 3.12 on it waits for every connection.
         for writer in [*self._waiting, *self._answering]:
             writer.transport.abort()
         await server.wait_closed()
@@ -141,12 +139,10 @@ class HttpServer:
                 return  # closed for a newer connection while its request arrived
             del self._waiting[writer]
             self._answering.add(writer)
-            if isinstance(request, Response):
-                answer = request
-            else:
-                answer = await self._answer(request)
+            answer = await self._answer(request)
+            # drain() then returns only once the kernel has all of it.
             writer.transport.set_write_buffer_limits(high=0)
-            writer.write(_encode(answer))
+            writer.write(answer)
             async with asyncio.timeout(self._read_timeout):
                 await writer.drain()
         except (
@@ -160,6 +156,45 @@ class HttpServer:
             self._waiting.pop(writer, None)
             self._answering.discard(writer)
             writer.transport.abort()
+
+    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+        raise NotImplementedError
+
+    async def _answer(self, request: Any) -> bytes:
+        raise NotImplementedError
+
+
+class HttpServer(BoundedServer):
+    """JSON APIs: a synchronous ``handler`` per request, on a thread pool."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        address: str,
+        port: int,
+        *,
+        name: str = "http",
+        max_connections: int = 32,
+        workers: int = 8,
+        read_timeout: float = 10.0,
+        handler_timeout: float = 600.0,
+        max_body: int = MAX_BODY,
+    ) -> None:
+        super().__init__(
+            address, port, name=name, max_connections=max_connections, read_timeout=read_timeout
+        )
+        self._handler = handler
+        self._handler_timeout = handler_timeout
+        self._max_body = max_body
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name)
+
+    @property
+    def url(self) -> str:
+        return self.base_url
+
+    def close(self) -> None:
+        super().close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _read(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -189,16 +224,20 @@ class HttpServer:
             client=str(peer[0]) if peer else "",
         )
 
-    async def _answer(self, request: Request) -> Response:
+    async def _answer(self, request: Request | Response) -> bytes:
+        if isinstance(request, Response):
+            return _encode(request)  # refused while reading
         future = self._loop.run_in_executor(self._pool, self._handler, request)
         try:
             async with asyncio.timeout(self._handler_timeout):
-                return await future
+                return _encode(await future)
         except TimeoutError:
-            return _text(504, f"{request.method} {request.path} is still running; ask again")
+            return _encode(
+                _text(504, f"{request.method} {request.path} is still running; ask again")
+            )
         except Exception:
             log.exception("answering %s %s failed", request.method, request.path)
-            return _text(500, "the request failed unexpectedly; see the server's log")
+            return _encode(_text(500, "the request failed unexpectedly; see the server's log"))
 
 
 def _text(status: int, message: str) -> Response:

@@ -143,9 +143,9 @@ class KubernetesApi:
         except Conflict:
             return  # posted by an earlier round whose answer was lost
 
-    def pod_uid(self, namespace: str, name: str) -> str:
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            pod = self._plain(
+            pod: dict[str, Any] = self._plain(
                 self._call(
                     f"GET pod {name} in {namespace}",
                     self._core.read_namespaced_pod,
@@ -154,7 +154,11 @@ class KubernetesApi:
                 )
             )
         except Missing:
-            return ""
+            return None
+        return pod
+
+    def pod_uid(self, namespace: str, name: str) -> str:
+        pod = self.get_pod(namespace, name) or {}
         return str((pod.get("metadata") or {}).get("uid") or "")
 
     def review_token(self, token: str) -> Identity | None:

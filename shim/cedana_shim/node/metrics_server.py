@@ -2,13 +2,15 @@
 
 prometheus_client's ``start_http_server`` is a ThreadingHTTPServer: a thread per
 connection, held for as long as its client stays silent (800 idle connections made
-803 threads). Here one asyncio loop in one thread holds every connection:
+803 threads). Here one asyncio loop in one thread holds every connection
+(http_server.BoundedServer, which the node agent's API shares):
 
 * at most ``max_connections`` at once; one more closes the oldest that has not sent
   its request yet (so a flood of idle connections cannot keep a real scrape out), or
   itself when all of them are being answered;
-* each gets ``timeout`` seconds from its accept to the last byte of its answer, and a
-  request head of at most :data:`MAX_HEAD` bytes; every answer closes the connection.
+* each gets ``timeout`` seconds for its request (from its accept), as much to collect
+  the answer and as much to send it, and a request head of at most :data:`MAX_HEAD`
+  bytes; every answer closes the connection.
 
 What a request gets is prometheus_client's own answer (its ASGI app: the text or
 OpenMetrics format as the ``Accept`` header asks, gzip, ``name[]`` filters).
@@ -24,26 +26,24 @@ from __future__ import annotations
 import asyncio
 import http
 import logging
-import socket
-import threading
 from typing import Any, Final
 from urllib.parse import unquote
 
 from prometheus_client import CollectorRegistry, make_asgi_app
 
+from .http_server import BoundedServer
+
 MAX_CONNECTIONS: Final = 16
 # Prometheus' default scrape_timeout: a scraper that needs longer has given up already.
 TIMEOUT: Final = 10.0
 MAX_HEAD: Final = 8192
-_BACKLOG: Final = 128
 _TEXT: Final = [(b"Content-Type", b"text/plain; charset=utf-8")]
 
 log = logging.getLogger("cedana.node")
 
 
-class MetricsServer:
-    """Bound at once (an address in use raises OSError here, not in the thread);
-    serves from :meth:`start` until :meth:`close`."""
+class MetricsServer(BoundedServer):
+    """prometheus_client's answers over :class:`BoundedServer`'s connections."""
 
     def __init__(
         self,
@@ -54,85 +54,31 @@ class MetricsServer:
         max_connections: int = MAX_CONNECTIONS,
         timeout: float = TIMEOUT,
     ) -> None:
+        super().__init__(
+            address,
+            port,
+            name="metrics",
+            max_connections=max_connections,
+            read_timeout=timeout,
+            max_head=MAX_HEAD,
+        )
         self._app = make_asgi_app(registry)
-        self._sock = _listen(address, port)
-        self.address: tuple[str, int] = self._sock.getsockname()[:2]
-        self._max = max_connections
         self._timeout = timeout
-        # Connections that have not sent a whole request head yet, oldest first.
-        self._waiting: dict[asyncio.StreamWriter, None] = {}
-        self._answering: set[asyncio.StreamWriter] = set()
-        self._loop = asyncio.new_event_loop()
-        self._stop = asyncio.Event()
-        self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
 
     @property
     def url(self) -> str:
-        host, port = self.address
-        return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+        return f"{self.base_url}/metrics"
 
-    def start(self) -> None:
-        self._thread.start()
+    async def _read(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[bytes, asyncio.StreamWriter]:
+        return await reader.readuntil(b"\r\n\r\n"), writer
 
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
-            self._thread.join()
-        else:
-            self._sock.close()
-            self._loop.close()
+    async def _answer(self, request: tuple[bytes, asyncio.StreamWriter]) -> bytes:
+        async with asyncio.timeout(self._timeout):
+            return await self._collect(*request)
 
-    def _run(self) -> None:
-        try:
-            self._loop.run_until_complete(self._serve())
-        finally:
-            self._loop.close()
-
-    async def _serve(self) -> None:
-        server = await asyncio.start_server(
-            self._connection, sock=self._sock, limit=MAX_HEAD, backlog=_BACKLOG
-        )
-        await self._stop.wait()
-        server.close()
-        # Before wait_closed(): from Python 3.12 on it waits for every connection.
-        for writer in [*self._waiting, *self._answering]:
-            writer.transport.abort()
-        await server.wait_closed()
-
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._waiting) + len(self._answering) >= self._max:
-            if not self._waiting:
-                writer.transport.abort()
-                return
-            oldest = next(iter(self._waiting))
-            del self._waiting[oldest]
-            oldest.transport.abort()
-        self._waiting[writer] = None
-        try:
-            async with asyncio.timeout(self._timeout):
-                head = await reader.readuntil(b"\r\n\r\n")
-                if writer not in self._waiting:
-                    return  # closed for a newer connection while its request arrived
-                del self._waiting[writer]
-                self._answering.add(writer)
-                answer = await self._answer(head, writer)
-                # drain() then returns only once the kernel has all of it.
-                writer.transport.set_write_buffer_limits(high=0)
-                writer.write(answer)
-                await writer.drain()
-        except (
-            TimeoutError,
-            ConnectionError,
-            asyncio.IncompleteReadError,
-            asyncio.LimitOverrunError,
-        ):
-            pass
-        finally:
-            self._waiting.pop(writer, None)
-            self._answering.discard(writer)
-            writer.transport.abort()
-
-    async def _answer(self, head: bytes, writer: asyncio.StreamWriter) -> bytes:
+    async def _collect(self, head: bytes, writer: asyncio.StreamWriter) -> bytes:
         scope = _scope(head, writer)
         if scope is None:
             return _response(400, _TEXT, b"a malformed HTTP request\n")
@@ -156,22 +102,6 @@ class MetricsServer:
             log.exception("metrics: answering %s failed", scope["path"])
             return _response(500, _TEXT, b"collecting the metrics failed; see the agent's log\n")
         return _response(int(start.get("status", 500)), start.get("headers", []), bytes(body))
-
-
-def _listen(address: str, port: int) -> socket.socket:
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(
-        address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sockaddr)
-        sock.listen(_BACKLOG)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def _scope(head: bytes, writer: asyncio.StreamWriter) -> dict[str, Any] | None:
