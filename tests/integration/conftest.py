@@ -32,6 +32,15 @@ from .harness.containerd import Containerd, make_containerd
 from .harness.cri import CriClient
 from .harness.ctr import Ctr
 from .harness.images import TestImages, build_test_images
+from .harness.registry import (
+    PASSWORD,
+    PREFIX,
+    USER,
+    Registry,
+    TlsFiles,
+    make_test_ca,
+    write_auth_file,
+)
 
 _LIVE: list[Containerd] = []
 _LOG_OFFSETS = pytest.StashKey[dict[int, int]]()
@@ -252,3 +261,34 @@ def new_id(request: pytest.FixtureRequest) -> Callable[[str], str]:
         return f"{prefix}-{tag}-{uuid.uuid4().hex[:8]}"
 
     return make
+
+
+# -- a registry for the tests that move checkpoints between nodes ------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return make_test_ca(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture
+def registry(tmp_path: Path, tls: TlsFiles) -> Iterator[Registry]:
+    """Debian's docker-registry with TLS and htpasswd auth, for one test."""
+    reg = Registry(tmp_path / "registry", tls=tls)
+    reg.start()
+    try:
+        yield reg
+    finally:
+        reg.stop()
+
+
+@pytest.fixture
+def node_env(tmp_path: Path, registry: Registry, tls: TlsFiles) -> dict[str, str]:
+    """The node config (as CEDANA_* variables) that reaches ``registry``."""
+    auth = write_auth_file(tmp_path / "registry-auth.json", registry.host, USER, PASSWORD)
+    return {
+        "CEDANA_REGISTRY": f"{registry.host}/{PREFIX}",
+        "CEDANA_REGISTRY_AUTH_FILE": str(auth),
+        "CEDANA_REGISTRY_CA": str(tls.ca_cert),
+        "CEDANA_REGISTRY_TIMEOUT": "10",
+    }

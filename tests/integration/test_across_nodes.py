@@ -73,13 +73,10 @@ from .harness.cr_support import (
 )
 from .harness.cri_apps import start_app, stop_app
 from .harness.registry import (
-    PASSWORD,
-    USER,
+    PREFIX,
     HungServer,
     Registry,
     TlsFiles,
-    make_test_ca,
-    write_auth_file,
 )
 from .harness.remote_support import registry_config
 from .harness.util import wait_for
@@ -87,33 +84,6 @@ from .harness.util import wait_for
 NewId = Callable[[str], str]
 pytestmark = pytest.mark.ctrd_versions("1.6", "2.1")
 MEM_KIB = 16 * 1024
-PREFIX = "cedana"
-
-
-@pytest.fixture(scope="module")
-def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    return make_test_ca(tmp_path_factory.mktemp("tls"))
-
-
-@pytest.fixture
-def registry(tmp_path: Path, tls: TlsFiles) -> Iterator[Registry]:
-    reg = Registry(tmp_path / "registry", tls=tls)
-    reg.start()
-    try:
-        yield reg
-    finally:
-        reg.stop()
-
-
-@pytest.fixture
-def node_env(tmp_path: Path, registry: Registry, tls: TlsFiles) -> dict[str, str]:
-    auth = write_auth_file(tmp_path / "registry-auth.json", registry.host, USER, PASSWORD)
-    return {
-        "CEDANA_REGISTRY": f"{registry.host}/{PREFIX}",
-        "CEDANA_REGISTRY_AUTH_FILE": str(auth),
-        "CEDANA_REGISTRY_CA": str(tls.ca_cert),
-        "CEDANA_REGISTRY_TIMEOUT": "10",
-    }
 
 
 def _stop(w: Workloads, box: Box, events: EventStream) -> str:

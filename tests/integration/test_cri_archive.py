@@ -43,7 +43,7 @@ from .harness.cr_support import (
 )
 from .harness.cri import CriClient
 from .harness.cri_apps import ENV_LABEL, cri_stdout, start_app, stop_app
-from .harness.registry import PASSWORD, USER, Registry, make_test_ca, skopeo, write_auth_file
+from .harness.registry import PASSWORD, USER, Registry, TlsFiles, skopeo
 from .test_restore_by_hand import CHECKPOINT_ID, cedana
 
 pytestmark = pytest.mark.ctrd_versions("2.1")
@@ -187,67 +187,61 @@ def test_an_export_is_read_by_checkpointctl_and_imports_back(
 
 
 def test_an_export_pushed_as_an_image_is_a_checkpoint_image_skopeo_and_checkpointctl_read(
-    containerd: Containerd, cri: CriClient, tmp_path: Path
+    containerd: Containerd,
+    cri: CriClient,
+    tmp_path: Path,
+    registry: Registry,
+    tls: TlsFiles,
+    node_env: dict[str, str],
 ) -> None:
     namespace = f"ns-{uuid.uuid4().hex[:6]}"
     label = f"image-{uuid.uuid4().hex[:6]}"
-    tls = make_test_ca(tmp_path / "tls")
-    registry = Registry(tmp_path / "registry", tls=tls)
-    registry.start()
-    try:
-        auth = write_auth_file(tmp_path / "auth.json", registry.host, USER, PASSWORD)
-        env = {
-            "CEDANA_REGISTRY": f"{registry.host}/cedana",
-            "CEDANA_REGISTRY_AUTH_FILE": str(auth),
-            "CEDANA_REGISTRY_CA": str(tls.ca_cert),
-        }
-        with EventStream(containerd.socket) as events, contextlib.ExitStack() as stack:
-            first = start_app(stack, containerd, cri, label=label, namespace=namespace)
-            wait_ticks(first.stdout, count=3)
-            stop_app(cri, first)
-            committed = events.wait_commit(first.cid, timeout=60)
-        store = ("--store", str(containerd.store))
-        elsewhere = cedana(
-            "checkpoints", "export", committed.checkpoint_id, *store,
-            "--image", "example.invalid:5000/forensics/counter:v1", env=env,
-        )  # fmt: skip
-        assert elsewhere.returncode == 1 and f"configured for {registry.host}" in elsewhere.stderr
-        ref = f"{registry.host}/forensics/counter:v1"
-        proc = cedana(
-            "checkpoints", "export", committed.checkpoint_id, *store, "--image", ref, "--json",
-            env=env,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr
-        pushed = json.loads(proc.stdout)
-        assert pushed["image"] == ref and pushed["digest"].startswith("sha256:")
+    env = node_env
+    with EventStream(containerd.socket) as events, contextlib.ExitStack() as stack:
+        first = start_app(stack, containerd, cri, label=label, namespace=namespace)
+        wait_ticks(first.stdout, count=3)
+        stop_app(cri, first)
+        committed = events.wait_commit(first.cid, timeout=60)
+    store = ("--store", str(containerd.store))
+    elsewhere = cedana(
+        "checkpoints", "export", committed.checkpoint_id, *store,
+        "--image", "example.invalid:5000/forensics/counter:v1", env=env,
+    )  # fmt: skip
+    assert elsewhere.returncode == 1 and f"configured for {registry.host}" in elsewhere.stderr
+    ref = f"{registry.host}/forensics/counter:v1"
+    proc = cedana(
+        "checkpoints", "export", committed.checkpoint_id, *store, "--image", ref, "--json",
+        env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    pushed = json.loads(proc.stdout)
+    assert pushed["image"] == ref and pushed["digest"].startswith("sha256:")
 
-        creds = ("--creds", f"{USER}:{PASSWORD}")
-        raw = skopeo("inspect", "--raw", "--cert-dir", str(tls.cert_dir), *creds, f"docker://{ref}")
-        assert raw.returncode == 0, raw.stderr
-        manifest = json.loads(raw.stdout)
-        notes = manifest["annotations"]
-        assert notes["org.criu.checkpoint.container.name"] == "app"
-        assert notes["org.criu.checkpoint.pod.namespace"] == namespace
-        assert notes["org.criu.checkpoint.engine.name"] == "cedana"
-        (layer,) = manifest["layers"]
-        assert layer["mediaType"] == "application/vnd.oci.image.layer.v1.tar"
-        layout = tmp_path / "oci"
-        copy = skopeo(
-            "copy", "--src-cert-dir", str(tls.cert_dir), "--src-creds", f"{USER}:{PASSWORD}",
-            f"docker://{ref}", f"oci:{layout}:v1",
-        )  # fmt: skip
-        assert copy.returncode == 0, copy.stderr
-        # skopeo may recompress the layer on its way into the layout: read what it wrote.
-        blobs = layout / "blobs" / "sha256"
-        (entry,) = json.loads((layout / "index.json").read_text())["manifests"]
-        copied = json.loads((blobs / entry["digest"].removeprefix("sha256:")).read_text())
-        (copied_layer,) = copied["layers"]
-        data = (blobs / copied_layer["digest"].removeprefix("sha256:")).read_bytes()
-        if copied_layer["mediaType"].endswith("+gzip"):
-            data = gzip.decompress(data)
-        (tmp_path / "layer.tar").write_bytes(data)
-        shown = _checkpointctl("show", str(tmp_path / "layer.tar"))
-        assert "app" in shown and "io.containerd.cedana.v2" in shown, shown
-        assert not list(Path(containerd.store, "spool").glob("*.tar")), "the export was left"
-    finally:
-        registry.stop()
+    creds = ("--creds", f"{USER}:{PASSWORD}")
+    raw = skopeo("inspect", "--raw", "--cert-dir", str(tls.cert_dir), *creds, f"docker://{ref}")
+    assert raw.returncode == 0, raw.stderr
+    manifest = json.loads(raw.stdout)
+    notes = manifest["annotations"]
+    assert notes["org.criu.checkpoint.container.name"] == "app"
+    assert notes["org.criu.checkpoint.pod.namespace"] == namespace
+    assert notes["org.criu.checkpoint.engine.name"] == "cedana"
+    (layer,) = manifest["layers"]
+    assert layer["mediaType"] == "application/vnd.oci.image.layer.v1.tar"
+    layout = tmp_path / "oci"
+    copy = skopeo(
+        "copy", "--src-cert-dir", str(tls.cert_dir), "--src-creds", f"{USER}:{PASSWORD}",
+        f"docker://{ref}", f"oci:{layout}:v1",
+    )  # fmt: skip
+    assert copy.returncode == 0, copy.stderr
+    # skopeo may recompress the layer on its way into the layout: read what it wrote.
+    blobs = layout / "blobs" / "sha256"
+    (entry,) = json.loads((layout / "index.json").read_text())["manifests"]
+    copied = json.loads((blobs / entry["digest"].removeprefix("sha256:")).read_text())
+    (copied_layer,) = copied["layers"]
+    data = (blobs / copied_layer["digest"].removeprefix("sha256:")).read_bytes()
+    if copied_layer["mediaType"].endswith("+gzip"):
+        data = gzip.decompress(data)
+    (tmp_path / "layer.tar").write_bytes(data)
+    shown = _checkpointctl("show", str(tmp_path / "layer.tar"))
+    assert "app" in shown and "io.containerd.cedana.v2" in shown, shown
+    assert not list(Path(containerd.store, "spool").glob("*.tar")), "the export was left"

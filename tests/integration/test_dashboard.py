@@ -47,9 +47,8 @@ from .harness.cr_support import assert_continues, parse_ticks, unique_label, wai
 from .harness.cri_apps import start_app, stop_app
 from .harness.dashboard import agent, controller, free_port, namespace_rules
 from .harness.kube_api import FakeKubeApi, Rule
-from .harness.registry import Registry, TlsFiles
+from .harness.registry import PREFIX, Registry, TlsFiles
 from .harness.util import wait_for
-from .test_across_nodes import PREFIX, node_env, registry, tls  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.ctrd_versions("2.1")
 TOKEN = "alice-token"
@@ -128,9 +127,9 @@ def wait_status(page: Browser, text: str, timeout: float = 120) -> str:
 
 def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
     make_node: MakeNode,
-    node_env: dict[str, str],  # noqa: F811
-    registry: Registry,  # noqa: F811
-    tls: TlsFiles,  # noqa: F811
+    node_env: dict[str, str],
+    registry: Registry,
+    tls: TlsFiles,
     tmp_path: Path,
 ) -> None:
     shots = artifacts()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -51,18 +51,16 @@ from .harness.cr_support import (
 )
 from .harness.registry import (
     PASSWORD,
+    PREFIX,
     USER,
     Registry,
     TlsFiles,
-    make_test_ca,
     skopeo,
-    write_auth_file,
 )
 from .harness.remote_support import registry_config
 
 NewId = Callable[[str], str]
 pytestmark = pytest.mark.ctrd_versions("2.1")
-PREFIX = "cedana"
 COSIGN = DEPS_DIR / "cosign" / "usr" / "bin" / "cosign"
 # The shell draws the marker itself: it is in the process's memory and nowhere else
 # (its output goes to the container's log on the host, not into the checkpoint).
@@ -71,32 +69,6 @@ MARKER_SCRIPT = (
     'echo "marker $mk"\n'
     'mk="$mk $mk $mk $mk"\n'
 )
-
-
-@pytest.fixture(scope="module")
-def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    return make_test_ca(tmp_path_factory.mktemp("tls"))
-
-
-@pytest.fixture
-def registry(tmp_path: Path, tls: TlsFiles) -> Iterator[Registry]:
-    reg = Registry(tmp_path / "registry", tls=tls)
-    reg.start()
-    try:
-        yield reg
-    finally:
-        reg.stop()
-
-
-@pytest.fixture
-def node_env(tmp_path: Path, registry: Registry, tls: TlsFiles) -> dict[str, str]:
-    auth = write_auth_file(tmp_path / "registry-auth.json", registry.host, USER, PASSWORD)
-    return {
-        "CEDANA_REGISTRY": f"{registry.host}/{PREFIX}",
-        "CEDANA_REGISTRY_AUTH_FILE": str(auth),
-        "CEDANA_REGISTRY_CA": str(tls.ca_cert),
-        "CEDANA_REGISTRY_TIMEOUT": "10",
-    }
 
 
 def _openssl(*args: str) -> None:

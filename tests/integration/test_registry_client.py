@@ -38,18 +38,12 @@ from .harness.registry import (
     HungServer,
     Registry,
     TlsFiles,
-    make_test_ca,
     skopeo,
     write_auth_file,
 )
 
 MiB = 1 << 20
 REPO = "cedana/team-a"
-
-
-@pytest.fixture(scope="module")
-def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    return make_test_ca(tmp_path_factory.mktemp("tls"))
 
 
 def _running(workdir: Path, **kwargs: object) -> Iterator[Registry]:

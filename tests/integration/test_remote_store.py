@@ -27,7 +27,7 @@ from cedana_shim.errors import DataLoss, NotFound, ResourceExhausted, ShimError
 from cedana_shim.registry import RegistryConfig
 from support.forged import RECORDED_TAR_BYTES, forge, push_forged, zstd_bomb
 
-from .harness.registry import Registry, TlsFiles, make_test_ca, skopeo
+from .harness.registry import Registry, TlsFiles, skopeo
 from .harness.remote_support import (
     NODE,
     SCOPE,
@@ -42,11 +42,6 @@ from .harness.remote_support import (
 )
 
 PAGES = 8 * MiB
-
-
-@pytest.fixture(scope="module")
-def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    return make_test_ca(tmp_path_factory.mktemp("tls"))
 
 
 def _running(workdir: Path, tls: TlsFiles, **kwargs: object) -> Iterator[Registry]:

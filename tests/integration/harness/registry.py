@@ -34,6 +34,10 @@ PASSWORD = "s3cret-pw"
 _HTTP_SECRET = "cedana-test-upload-state-secret"
 
 
+# The registry prefix of the tests' node configs (conftest's node_env).
+PREFIX = "cedana"
+
+
 @dataclass(frozen=True)
 class TlsFiles:
     ca_cert: Path  # the CA's certificate: what a client trusts (registry_ca)
@@ -303,6 +307,7 @@ def skopeo(*args: str) -> subprocess.CompletedProcess[str]:
 
 __all__ = [
     "PASSWORD",
+    "PREFIX",
     "USER",
     "HungServer",
     "Registry",
