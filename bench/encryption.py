@@ -1,6 +1,6 @@
 """What encrypting checkpoints costs a push and a pull, side by side in one run.
 
-    python bench/encryption.py [--runs 3] [--mem-mib 1024] [--out results.json]
+    python bench/encryption.py [--runs 5] [--mem-mib 1024] [--out results.json]
 
 One real registry on loopback (Debian's docker-registry, plain HTTP: no TLS cost in
 the denominator, so the ratio is the stricter one), one store A holding a committed
@@ -104,6 +104,7 @@ def _pages(mem_mib: int) -> bytes:
 
 
 def run(runs: int, mem_mib: int) -> dict[str, Any]:
+    load_before = [round(x, 2) for x in os.getloadavg()]
     work = Path(tempfile.mkdtemp(prefix="cedana-bench-enc-", dir="/var/tmp"))
     registry, host = _registry(work)
     private, public = _keys(work)
@@ -111,7 +112,9 @@ def run(runs: int, mem_mib: int) -> dict[str, Any]:
     sides = {
         "plain": (clear, clear),
         "encrypted": (
-            replace(clear, encryption_keys=f"jwe:{public}"),
+            # A pushing node holds a recipient's private key too (it restores as well):
+            # the chunk keys derive from it.
+            replace(clear, encryption_keys=f"jwe:{public}", decryption_keys=str(private)),
             replace(clear, decryption_keys=str(private)),
         ),
     }
@@ -149,7 +152,13 @@ def run(runs: int, mem_mib: int) -> dict[str, Any]:
         registry.terminate()
         registry.wait()
         shutil.rmtree(work, ignore_errors=True)
-    report: dict[str, Any] = {"mem_mib": mem_mib, "stored_bytes": size, "runs": runs}
+    report: dict[str, Any] = {
+        "mem_mib": mem_mib,
+        "stored_bytes": size,
+        "runs": runs,
+        "loadavg_before": load_before,
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }
     for step in ("push", "pull"):
         plain = statistics.median(times["plain"][step])
         encrypted = statistics.median(times["encrypted"][step])
@@ -159,6 +168,8 @@ def run(runs: int, mem_mib: int) -> dict[str, Any]:
             "plain_MBps": round(size / plain / 1e6, 1),
             "encrypted_MBps": round(size / encrypted / 1e6, 1),
             "encrypted_over_plain": round(encrypted / plain, 3),
+            # The spread: each side's fastest and slowest run.
+            "range_s": {s: [round(f(times[s][step]), 3) for f in (min, max)] for s in times},
             "all_s": {s: [round(x, 3) for x in times[s][step]] for s in times},
         }
     return report
@@ -166,7 +177,7 @@ def run(runs: int, mem_mib: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--mem-mib", type=int, default=1024)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
