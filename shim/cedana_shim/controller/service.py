@@ -18,6 +18,7 @@ from .agents import AgentError, AgentRef, Agents
 from .audit import Audit
 from .kube import ClusterApi
 from .operations import Operation, Operations, StepFailed
+from .registry_use import registry_use
 
 MIGRATION_STEPS: Final = ["checkpoint", "push", "evict", "rescheduled", "resumed"]
 WAIT_S: Final = 300.0
@@ -86,6 +87,7 @@ class Dashboard:
         return {
             "namespaces": sorted(ns),
             "nodes": views.node_rows(states) if sees_nodes else None,
+            "registryUse": registry_use(self.agents, states, ns) if ns else [],
             "unreachable": unreachable if sees_nodes else [],
             "workloads": [w for w in work if w["namespace"] in ns],
             "checkpoints": [c for c in checkpoints if c.get("namespace") in ns],

@@ -144,6 +144,27 @@ async function act(what, call, after) {
   }
 }
 
+// Registry use: each blob counted once however many checkpoints share it.
+function registrySection(uses) {
+  const rows = [];
+  for (const r of uses) {
+    rows.push([h("b", {}, r.registry), "all you may see", r.checkpoints,
+      r.bytes === null ? h("span", { class: "bad" }, "unreadable") : bytes(r.bytes)]);
+    for (const n of r.namespaces) {
+      rows.push([r.registry, n.namespace, n.checkpoints, bytes(n.bytes)]);
+      for (const l of n.labels) {
+        rows.push([r.registry, `${n.namespace} / ${l.label}`, l.checkpoints, bytes(l.bytes)]);
+      }
+    }
+  }
+  const out = [h("h2", {}, "Registry use"), table(
+    "What each registry holds for your checkpoints (blobs shared by several counted once)",
+    ["Registry", "Namespace / label", "Checkpoints", "Bytes"], rows,
+    "No node pushes to a registry.")];
+  for (const r of uses) for (const e of r.errors) out.push(h("p", { class: "bad" }, e));
+  return h("section", { id: "registry-use" }, out);
+}
+
 async function clusterView() {
   const doc = await api("GET", "/api/v1/cluster");
   const view = $("#view");
@@ -155,6 +176,7 @@ async function clusterView() {
     h("div", { class: "card" }, h("b", {}, doc.checkpoints.length), "checkpoints"),
     h("div", { class: "card" }, h("b", {}, bytes(total)), "in stores"),
     h("div", { class: "card" }, h("b", {}, doc.failures.length), "recent failures")));
+  parts.push(registrySection(doc.registryUse || []));
   if (doc.nodes) {
     parts.push(h("h2", {}, "Nodes"));
     parts.push(table("Nodes with cedana", ["Node", "State", "Checkpoints", "Store use",
