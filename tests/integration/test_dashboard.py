@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cedana_shim.checkpoint.push_before_exit import read_labels
+from cedana_shim.checkpoint.remote import Outbox
 from cedana_shim.checkpoint.store import Store, StoreConfig
 
 from .conftest import MakeNode
@@ -45,7 +47,7 @@ from .harness.containerd import Containerd
 from .harness.cr_events import TOPIC_RESTORE, EventStream
 from .harness.cr_support import assert_continues, parse_ticks, unique_label, wait_ticks
 from .harness.cri_apps import start_app, stop_app
-from .harness.dashboard import agent, controller, free_port, namespace_rules
+from .harness.dashboard import agent, controller, free_port, http_json, namespace_rules
 from .harness.kube_api import FakeKubeApi, Rule
 from .harness.registry import PREFIX, Registry, TlsFiles
 from .harness.util import wait_for
@@ -310,6 +312,90 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
             assert all(e["message"].startswith(USER) for e in kube.events_by("Cedana"))
             assert "audit user=alice@example.com action=migrate" in ctl.proc.log.read_text()
             assert page.console == [], page.console
+    finally:
+        cri_a.close()
+        cri_b.close()
+        kube.close()
+
+
+def test_a_drained_pod_of_a_before_eviction_policy_resumes_elsewhere(
+    make_node: MakeNode,
+    node_env: dict[str, str],
+    registry: Registry,
+    tls: TlsFiles,
+    tmp_path: Path,
+) -> None:
+    """Nodes whose shims push in the background (``registry_sync = background``: a
+    stop does not wait for the registry). A policy saved through the dashboard's API
+    with ``beforeEviction: checkpoint`` covers the counter; node A is drained (cordon,
+    then the pod's eviction; kubelet's stop played by this test): the stop's
+    checkpoint is in the registry before the container exits, and the replacement on
+    node B resumes the count from it."""
+    env = {**node_env, "CEDANA_REGISTRY_SYNC": "background"}
+    a, b = make_node(env), make_node(env)
+    kube = FakeKubeApi()
+    kube.add_token(TOKEN, USER)
+    kube.allow(USER, *namespace_rules("team-a", ("get", "pods"), ("update", "configmaps")))
+    label = unique_label("drain")
+    port = free_port()
+    cri_a, cri_b = a.cri(), b.cri()
+    try:
+        with (
+            agent(kube, a.base, "node-a", "127.0.0.1", port, containerd_socket=a.socket,
+                  store=f"/{a.store.name}", extra_config=agent_config(a, registry, tls, node_env)),
+            agent(kube, b.base, "node-b", "127.0.0.2", port, containerd_socket=b.socket,
+                  store=f"/{b.store.name}", extra_config=agent_config(b, registry, tls, node_env)),
+            controller(kube, tmp_path, port) as ctl,
+            EventStream(b.socket) as events_b,
+            contextlib.ExitStack() as stack,
+        ):  # fmt: skip
+            first = start_app(stack, a, cri_a, label=label, namespace="team-a",
+                              host_network=False, pod_name="counter-0")  # fmt: skip
+            kube.add_pod(pod_object("team-a", "counter-0", "node-a", label))
+            path = "/api/v1/namespaces/team-a/policies/drain-safe"
+            status, doc = ctl.call(
+                "POST", path, TOKEN, {"selector": "app=counter", "beforeEviction": "checkpoint"}
+            )
+            assert status == 200 and doc["beforeEviction"] == "checkpoint", doc
+            status, doc = ctl.call("GET", "/api/v1/namespaces/team-a/policies", TOKEN)
+            [policy] = doc["policies"]
+            assert policy["covers"] == ["counter-0/app"], policy
+            assert policy["policy"]["beforeEviction"] == "checkpoint"
+            wait_for(
+                lambda: ("team-a", label) in read_labels(str(a.store)),
+                timeout=60,
+                what="node A's agent to tell its shims that the counter's stop waits for the push",
+            )
+            wait_ticks(first.stdout, count=3)
+
+            # The drain: cordon node A, evict the pod; kubelet on A stops it.
+            status, _ = http_json(f"{kube.url}/api/v1/nodes/node-a", "PATCH", TOKEN,
+                                  {"spec": {"unschedulable": True}})  # fmt: skip
+            assert status == 200
+            status, _ = http_json(
+                f"{kube.url}/api/v1/namespaces/team-a/pods/counter-0/eviction", "POST", TOKEN, {}
+            )
+            assert status == 201 and kube.state.evictions == [("team-a", "counter-0")]
+            stop_app(cri_a, first)
+            before = parse_ticks(first.stdout())
+            assert before is not None
+            [stopped] = [
+                e for e in node_store(a).catalog.list(label=label)
+                if e.metadata.get("reason") == "stop"
+            ]  # fmt: skip
+            # Exited: by then the stop's checkpoint was pushed (its outbox record gone).
+            assert stopped.id not in Outbox(str(a.store)).pending(), (
+                "the container exited before its checkpoint reached the registry"
+            )
+
+            # The ReplicaSet's replacement, scheduled on node B, resumes from the registry.
+            kube.add_pod(pod_object("team-a", "counter-1", "node-b", label))
+            second = start_app(stack, b, cri_b, label=label, namespace="team-a",
+                               host_network=False, pod_name="counter-1")  # fmt: skip
+            outcome = events_b.wait_topic(TOPIC_RESTORE, second.cid, timeout=120)
+            assert outcome.field("outcome") == "restored", outcome
+            assert outcome.checkpoint_id == stopped.id
+            assert_continues(before, wait_ticks(second.stdout, count=3), "the drained pod")
     finally:
         cri_a.close()
         cri_b.close()

@@ -299,6 +299,14 @@ async function policiesSection(ns, refresh) {
     field("policy-interval", "Interval", "e.g. 10m: a checkpoint when the newest is older"),
     field("policy-retain", "Retain", "keep the newest N per label on each node"),
     field("policy-pin", "Pin latest", "pin the newest N per label"),
+    h("p", {},
+      h("label", { for: "policy-eviction" }, "Before eviction"), " ",
+      h("select", { id: "policy-eviction", name: "policy-eviction",
+        "aria-describedby": "policy-eviction-hint" },
+      h("option", { value: "" }, "as the node says"),
+      h("option", { value: "checkpoint" }, "checkpoint, in the registry before it exits")), " ",
+      h("span", { id: "policy-eviction-hint", class: "muted" },
+        "an evicted or drained pod resumes elsewhere from the registry")),
     h("button", { type: "submit" }, "Save policy"));
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
@@ -306,7 +314,7 @@ async function policiesSection(ns, refresh) {
     const name = v("policy-name");
     await act(`Saving policy ${name}`, () => api("POST", `/api/v1/namespaces/${ns}/policies/${name}`, {
       selector: v("policy-selector"), interval: v("policy-interval"), retain: v("policy-retain"),
-      pinLatest: v("policy-pin"),
+      pinLatest: v("policy-pin"), beforeEviction: v("policy-eviction"),
     }), refresh);
   });
   const edit = (p) => {
@@ -315,11 +323,12 @@ async function policiesSection(ns, refresh) {
     form.querySelector("#policy-interval").value = p.data.interval || "";
     form.querySelector("#policy-retain").value = p.data.retain || "";
     form.querySelector("#policy-pin").value = p.data.pinLatest || "";
+    form.querySelector("#policy-eviction").value = p.data.beforeEviction || "";
     form.querySelector("#policy-selector").focus();
   };
   const rows = doc.policies.map((p) => [
     p.name, p.data.selector || "(every pod)", p.data.interval || "", p.data.retain || "",
-    p.data.pinLatest || "", p.error ? h("span", { class: "bad" }, p.error) : p.covers.join(", ") || "nothing",
+    p.data.pinLatest || "", p.data.beforeEviction || "", p.error ? h("span", { class: "bad" }, p.error) : p.covers.join(", ") || "nothing",
     h("ul", { class: "applied" }, p.applied.map((a) => h("li", {},
       `${a.node}: `, a.error ? h("span", { class: "bad" }, a.error)
         : `${a.covered.length} covered; ${a.actions.slice(-3).join("; ") || "nothing to do yet"}`))),
@@ -335,7 +344,7 @@ async function policiesSection(ns, refresh) {
   ]);
   return h("div", {},
     table(`Policies of ${ns}`, ["Policy", "Selector", "Interval", "Retain", "Pin latest",
-      "Covers", "Applied", ""], rows, "No policy in this namespace."),
+      "Before eviction", "Covers", "Applied", ""], rows, "No policy in this namespace."),
     form);
 }
 
