@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cedana_shim.checkpoint.remote import RemoteStore
@@ -317,3 +318,30 @@ def test_registry_use_and_a_pin_in_the_registry(setup: Setup) -> None:
     )
     assert status == 200, doc
     assert other_node.prune("team-a", "web", keep=0) == [setup.team_a]
+
+
+def test_an_operation_outlives_a_restart_of_the_controller(setup: Setup, tmp_path: Path) -> None:
+    """The migration fails at its first step (no container runs trainer-0 here), and
+    a new controller process, reading the operations' ConfigMap, still shows its
+    steps, to Alice and not to Bob."""
+    status, op = setup.ctl.call("POST", "/api/v1/namespaces/team-a/pods/trainer-0/migrate", ALICE)
+    assert status == 202, op
+
+    def ended() -> dict[str, Any] | None:
+        doc = setup.ctl.call("GET", f"/api/v1/operations/{op['id']}", ALICE)[1]
+        return doc if doc.get("state") != "running" else None
+
+    first = wait_for(ended, timeout=60, what="the migration to fail at its checkpoint")
+    assert [(s["name"], s["state"]) for s in first["steps"]][:2] == [
+        ("checkpoint", "failed"), ("push", "skipped")
+    ]  # fmt: skip
+    assert ("cedana-system", "cedana-operations") in setup.kube.state.config_maps
+    (tmp_path / "restarted").mkdir()
+    with controller(setup.kube, tmp_path / "restarted", setup.agent_port) as restarted:
+        status, doc = restarted.call("GET", f"/api/v1/operations/{op['id']}", ALICE)
+        assert status == 200 and doc == first, doc
+        status, cluster = restarted.call("GET", "/api/v1/cluster", ALICE)
+        assert [o["id"] for o in cluster["operations"]] == [op["id"]]
+        status, doc = restarted.call("GET", f"/api/v1/operations/{op['id']}", BOB)
+        assert status == 404, "bob may not see team-a"
+        assert restarted.call("GET", "/api/v1/cluster", BOB)[1]["operations"] == []

@@ -209,7 +209,8 @@ async function clusterView() {
         onclick: () => migrate(w.namespace, w.pod),
       }, "Migrate")),
   ]), "No pod in your namespaces opts in (CEDANA_CHECKPOINT or CEDANA_ENABLE)."));
-  parts.push(h("div", { id: "operation" }, lastOperation ? operationBox(lastOperation) : []));
+  const newest = lastOperation || (doc.operations || [])[0] || null;
+  parts.push(h("div", { id: "operation" }, newest ? operationBox(newest) : []));
   parts.push(h("h2", {}, "Checkpoints"));
   parts.push(table("Checkpoints in the namespaces you may see", CHECKPOINT_HEADERS,
     checkpointRows(doc.checkpoints, refresh), "No checkpoints yet."));
@@ -219,6 +220,10 @@ async function clusterView() {
     doc.failures.map((r) => [when(r.time), r.node, r.namespace, r.pod, r.kind, r.outcome,
       r.detail || (r.skipped || []).join("; ")]), "None lately."));
   view.replaceChildren(...parts);
+  if (!lastOperation && newest) {
+    lastOperation = newest;
+    if (newest.state === "running") follow(newest);
+  }
 }
 
 function timeline(doc) {
@@ -384,6 +389,15 @@ async function migrate(ns, pod) {
     say(`Migrating ${ns}/${pod} failed: ${err.message}`, true);
     return;
   }
+  await follow(op);
+}
+
+// Poll an operation until it ends, drawing its steps; after a reload of the page the
+// cluster view picks up the newest one (kept by the controller across its restarts).
+let following = null;
+async function follow(op) {
+  if (following === op.id) return;
+  following = op.id;
   const draw = (o) => {
     lastOperation = o;
     const box = $("#operation");
@@ -391,11 +405,13 @@ async function migrate(ns, pod) {
     say(`Migration of ${o.target}: ${o.state}`, o.state === "failed");
   };
   draw(op);
-  while (op.state === "running") {
+  while (op.state === "running" && following === op.id) {
     await new Promise((r) => setTimeout(r, 500));
     try { op = await api("GET", `/api/v1/operations/${op.id}`); } catch (err) { say(err.message, true); return; }
     draw(op);
   }
+  if (following !== op.id) return;
+  following = null;
   // The pod moved: show the cluster as it is now (the steps stay on the page).
   if ((location.hash || "#/cluster") === "#/cluster") await clusterView().catch(() => {});
   say(`Migration of ${op.target}: ${op.state}`, op.state === "failed");
