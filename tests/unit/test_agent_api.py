@@ -126,3 +126,21 @@ def test_registry_use_and_pins_reach_the_nodes_registry(tmp_path: Path) -> None:
     assert remote.prune(SCOPE, "web", keep=0) == [second.id], "the pin reached the registry"
     assert _call(api, "POST", "/v1/delete", "ctl", {"id": first.id})[1]["inRegistry"]
     assert remote.prune(SCOPE, "web", keep=0) == [first.id], "a deleted one is not kept there"
+
+
+def test_a_pin_made_before_the_push_reaches_the_registry_once_pushed(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    store = open_store(tmp_path / "store")
+    remote = RemoteStore(store, SharedDirectory(str(shared)), "node-a")
+    early = commit_checkpoint(store, {"pages-1.img": os.urandom(4096)}, label="web")
+    api = _api(tmp_path, Tokens({"ctl": CONTROLLER}))
+    api.registry_client = lambda: SharedDirectory(str(shared))
+    status, doc = _call(api, "POST", "/v1/pin", "ctl", {"id": early.id, "pinned": True})
+    assert status == 200 and doc["inRegistry"] is False, "nothing to pin there yet"
+    remote.push(early.id)
+    newer = commit_checkpoint(store, {"pages-1.img": os.urandom(4096)}, label="web")
+    remote.push(newer.id)
+    assert api.registry_pins_round() == [early.id]
+    assert api.registry_pins_round() == [], "settled: no more tag lists for it"
+    assert remote.prune(SCOPE, "web", keep=0) == [newer.id]

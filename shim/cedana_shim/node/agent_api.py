@@ -18,7 +18,8 @@ GET  /v1/registry?namespaces=a,b
                       (registry_use.py); 404 when the node has no registry
 POST /v1/checkpoint   {"namespace", "pod", "container", "leaveRunning"}: checkpoint now
 POST /v1/pin          {"id", "pinned"}: exempt from retention, or end that, in this
-                      node's store and in the registry (checkpoint/remote/pins.py)
+                      node's store and in the registry (checkpoint/remote/pins.py;
+                      one whose push is still to come: registry_pins_round, later)
 POST /v1/delete       {"id"}: remove from this node's store (and its pin in the registry)
 """
 
@@ -101,6 +102,9 @@ class AgentApi:
     policies: Callable[[], list[dict[str, Any]]] = lambda: []  # how each was applied here
     registry_client: Callable[[], Registry | None] = lambda: None  # the node's, or None
     usage: RegistryUse = field(default_factory=RegistryUse)
+    # Pinned checkpoints whose registry pin was settled (done, or not in the registry
+    # once pushed): registry_pins_round leaves them alone.
+    _settled: set[str] = field(default_factory=set)
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
 
     def __call__(self, request: Request) -> Response:
@@ -233,6 +237,29 @@ class AgentApi:
             200, {"node": self.node, "id": checkpoint_id, "deleted": True, **registry}
         )
 
+    def registry_pins_round(self) -> list[str]:
+        """Pin in the registry what a user pinned here before its push reached it
+        (the pin then found nothing to pin there); the ids pinned now. Run every
+        round beside the policies: one tag list per such checkpoint, once pushed."""
+        client = self.registry_client()
+        opened = self._open()
+        if client is None or opened is None:
+            return []
+        config, store = opened
+        pending = set(Outbox(config.root).pending())
+        done = []
+        for entry in store.catalog.list():
+            if entry.pinned_by != "user" or entry.id in self._settled or entry.id in pending:
+                continue
+            try:
+                if set_pin(client, entry.scope, entry.id, True, self.node):
+                    done.append(entry.id)
+            except errors.ShimError as err:
+                log.warning("registry pin of %s: %s (next round again)", entry.id, err)
+                continue
+            self._settled.add(entry.id)
+        return done
+
     def _registry_pin(self, scope: str, checkpoint_id: str, pinned: bool) -> dict[str, Any]:
         """Pin (or unpin) in the registry too; ``inRegistry``: whether it holds the
         checkpoint, ``registryError``: why that failed ("" when it did not)."""
@@ -244,6 +271,11 @@ class AgentApi:
         except errors.ShimError as err:
             log.warning("registry pin of %s: %s", checkpoint_id, err)
             return {"inRegistry": True, "registryError": str(err)}
+        # Not held yet (its push still to come): registry_pins_round pins it later.
+        if held or not pinned:
+            self._settled.add(checkpoint_id)
+        else:
+            self._settled.discard(checkpoint_id)
         return {"inRegistry": held, "registryError": ""}
 
     def _need_store(self) -> Store:

@@ -594,7 +594,12 @@ def _agent_api(args: argparse.Namespace, api: Any, opts: Any, taints: Any, stop:
         ) from None
     server.start()
     logging.getLogger("cedana.node").info("agent API on %s", server.url)
-    in_background(applier.round, interval=args.interval, stop=stop, name="policies")
+
+    def policies_round() -> None:
+        applier.round()
+        handler.registry_pins_round()  # pins made before their push reached the registry
+
+    in_background(policies_round, interval=args.interval, stop=stop, name="policies")
     return history
 
 
