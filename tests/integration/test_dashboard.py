@@ -22,7 +22,9 @@ real store), opens the namespace and checkpoint views, migrates the pod off node
 count from the registry) and
 deletes the pinned checkpoint (gone from node A's store), then types a policy into
 the namespace view (every 10 s, pin the latest) and sees node B's agent apply it to
-the migrated pod (a new checkpoint, pinned as the policy's in B's real store). Each
+the migrated pod (a new checkpoint, pinned as the policy's in B's real store; its
+stop now waits for the registry: beforeEviction). The cluster view shows the
+registry's use in bytes, and a reload of the page still shows the migration's steps. Each
 action left an Event naming the user. Screenshots of every view are kept
 (CEDANA_TEST_ARTIFACTS, default /tmp/cedana-test-artifacts, under dashboard/).
 """
@@ -254,6 +256,18 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
             )
             assert row and "node-a, node-b" in row and "pushed" in row, row
             page.screenshot(shots / "6-migrated.png")
+            # What the registry holds for her checkpoints, in bytes (read by a node agent).
+            use = page.eval("document.querySelector('#registry-use').innerText")
+            assert "all you may see" in use and f"team-a / {label}" in use, use
+            assert "unreadable" not in use and "KiB" in use, use
+            # A reload of the page: the migration's steps are still shown (the
+            # controller keeps its operations, in a ConfigMap across its restarts).
+            page.reload()
+            page.wait(
+                "document.querySelectorAll('ol.steps li.done').length === 5",
+                what="the migration's five steps after a reload",
+            )
+            assert ("cedana-system", "cedana-operations") in kube.state.config_maps
 
             page.eval("location.hash = '#/cluster'")
             page.click(f'[aria-label="Delete checkpoint {taken}"]')
@@ -273,6 +287,11 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
             ):
                 page.click(field)
                 page.type(value)
+            # Before eviction: checkpoint, chosen with the keyboard.
+            page.eval("document.querySelector('#policy-eviction').focus()")
+            page.press("ArrowDown")
+            assert page.eval("document.querySelector('#policy-eviction').value") == "checkpoint"
+            page.click("#policy-pin")
             page.press("Enter")
             wait_status(page, "Saving policy every-10s: done")
 
@@ -302,6 +321,14 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
                 timeout=60,
             )
             page.screenshot(shots / "8-policy.png")
+            assert kube.state.config_maps[("team-a", "every-10s")]["data"]["beforeEviction"] == (
+                "checkpoint"
+            )
+            wait_for(
+                lambda: ("team-a", label) in read_labels(str(b.store)),
+                timeout=60,
+                what="node B's agent to make the counter's stop wait for its push",
+            )
 
             audit = [(e["reason"], e["involvedObject"]["name"]) for e in kube.events_by("Cedana")]
             assert audit == [
