@@ -41,6 +41,7 @@ from typing import Any
 import pytest
 from cedana_shim.checkpoint.push_before_exit import read_labels
 from cedana_shim.checkpoint.remote import Outbox
+from cedana_shim.checkpoint.remote.tags import parse_pin_tag
 from cedana_shim.checkpoint.store import Store, StoreConfig
 
 from .conftest import MakeNode
@@ -91,6 +92,14 @@ def agent_config(node: Containerd, reg: Registry, tls_files: TlsFiles, env: dict
         f'registry = "{reg.host}/{PREFIX}"\n'
         'registry_auth_file = "/registry-auth.json"\nregistry_ca = "/registry-ca.pem"\n'
     )
+
+
+def pin_tags(reg: Registry) -> set[str]:
+    """The checkpoints pinned in team-a's repository (pin tags, checkpoint/remote/pins.py),
+    read on the registry's disk."""
+    tags = reg.storage / "docker/registry/v2/repositories" / PREFIX / "team-a" / "_manifests/tags"
+    found = (parse_pin_tag(p.name) for p in (tags.iterdir() if tags.exists() else ()))
+    return {t.checkpoint_id for t in found if t is not None}
 
 
 def node_store(node: Containerd) -> Store:
@@ -198,6 +207,12 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
             page.click(f'[aria-label="Pin checkpoint {taken}"]')
             wait_status(page, f"Pinning {taken}: done")
             assert node_store(a).catalog.get(taken).pinned, "the pin must reach node A's store"
+            # ... and the registry (at once, or by node A's agent once the push is done).
+            wait_for(
+                lambda: taken in pin_tags(registry),
+                timeout=90,
+                what="the pin tag in the registry",
+            )
 
             page.eval("location.hash = '#/ns/team-a'")
             page.wait("document.querySelector('#view-title')?.textContent === 'Namespace team-a'",
@@ -273,6 +288,7 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
             page.click(f'[aria-label="Delete checkpoint {taken}"]')
             wait_status(page, f"Deleting {taken}: done")
             assert taken not in {e.id for e in node_store(a).catalog.list()}
+            assert taken not in pin_tags(registry), "its pin in the registry is gone too"
             page.screenshot(shots / "7-deleted.png")
 
             # A policy, typed into the namespace view's form: node B's agent applies it

@@ -58,7 +58,7 @@ def write_labels(store_root: str, pairs: Iterable[Pair]) -> bool:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o600)  # as every file of the store
         os.replace(tmp, os.path.join(store_root, FILE))
     except BaseException:
         with contextlib.suppress(OSError):
