@@ -363,7 +363,7 @@ class RemoteStore:
             _newest_first(t for t in tags if not t.pending and t.base not in pins),
             lambda t: has_failed(failures, t.checkpoint_id, t.base),
         )
-        bases = {t.base for t in complete}
+        bases = {t.base for t in tags if not t.pending}  # a pinned one's supersedes too
         markers = [t for t in tags if t.pending and t.base in bases]
         removed: _Ids = []
         for tag in [*complete[keep:], *markers]:
