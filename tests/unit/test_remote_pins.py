@@ -5,13 +5,25 @@ store's own push and prune, a shared directory standing for the registry)."""
 from __future__ import annotations
 
 import os
+from datetime import UTC, datetime
 from pathlib import Path
 
 from cedana_shim.checkpoint.remote import RemoteStore
-from cedana_shim.checkpoint.remote.pins import set_pin
+from cedana_shim.checkpoint.remote.pins import pinned_bases, set_pin
 from cedana_shim.checkpoint.remote.shared_dir import SharedDirectory
 from cedana_shim.checkpoint.remote.tags import parse_pin_tag, parse_tag, pin_tag, tag_for
+from cedana_shim.checkpoint.store.layout import format_created
+from cedana_shim.registry import check_tag
+from hypothesis import given
+from hypothesis import strategies as st
 from support.checkpoints import SCOPE, commit_checkpoint, open_store
+
+labels = st.from_regex(r"[A-Za-z0-9._-]{1,128}", fullmatch=True).filter(lambda s: ".." not in s)
+instants = st.datetimes(
+    min_value=datetime(2000, 1, 1), max_value=datetime(9999, 1, 1), timezones=st.just(UTC)
+)
+suffixes = st.from_regex(r"[0-9a-f]{8}", fullmatch=True)
+nodes = st.from_regex(r"[a-z0-9]([a-z0-9.-]{0,60}[a-z0-9])?", fullmatch=True)
 
 
 def _files() -> dict[str, bytes]:
@@ -48,3 +60,15 @@ def test_no_nodes_retention_deletes_a_checkpoint_pinned_in_the_registry(tmp_path
     assert set_pin(node_b.client, SCOPE, ids[0], False, "node-b")
     assert node_b.prune(SCOPE, "trainer", keep=0) == [ids[0]]
     assert os.listdir(shared / SCOPE / "tags") == []
+
+
+@given(labels, instants, suffixes, nodes)
+def test_every_checkpoint_tag_has_a_valid_pin_tag_that_names_it_back(
+    label: str, when: datetime, suffix: str, node: str
+) -> None:
+    tag = tag_for(label, format_created(when), f"{when:%Y%m%dT%H%M%S}Z-{suffix}", node)
+    pin = pin_tag(tag)
+    check_tag(pin)
+    assert parse_pin_tag(pin) == tag, "the pin names exactly its checkpoint"
+    assert parse_tag(pin) is None and parse_pin_tag(tag.tag) is None, "never confused"
+    assert pinned_bases([pin, tag.tag, tag.tag + ".pending"]) == {tag.base}
