@@ -22,7 +22,9 @@ real store), opens the namespace and checkpoint views, migrates the pod off node
 count from the registry) and
 deletes the pinned checkpoint (gone from node A's store), then types a policy into
 the namespace view (every 10 s, pin the latest) and sees node B's agent apply it to
-the migrated pod (a new checkpoint, pinned as the policy's in B's real store). Each
+the migrated pod (a new checkpoint, pinned as the policy's in B's real store; its
+stop now waits for the registry: beforeEviction). The cluster view shows the
+registry's use in bytes, and a reload of the page still shows the migration's steps. Each
 action left an Event naming the user. Screenshots of every view are kept
 (CEDANA_TEST_ARTIFACTS, default /tmp/cedana-test-artifacts, under dashboard/).
 """
@@ -37,6 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cedana_shim.checkpoint.push_before_exit import read_labels
+from cedana_shim.checkpoint.remote import Outbox
+from cedana_shim.checkpoint.remote.tags import parse_pin_tag
 from cedana_shim.checkpoint.store import Store, StoreConfig
 
 from .conftest import MakeNode
@@ -45,7 +50,7 @@ from .harness.containerd import Containerd
 from .harness.cr_events import TOPIC_RESTORE, EventStream
 from .harness.cr_support import assert_continues, parse_ticks, unique_label, wait_ticks
 from .harness.cri_apps import start_app, stop_app
-from .harness.dashboard import agent, controller, free_port, namespace_rules
+from .harness.dashboard import agent, controller, free_port, http_json, namespace_rules
 from .harness.kube_api import FakeKubeApi, Rule
 from .harness.registry import PREFIX, Registry, TlsFiles
 from .harness.util import wait_for
@@ -87,6 +92,14 @@ def agent_config(node: Containerd, reg: Registry, tls_files: TlsFiles, env: dict
         f'registry = "{reg.host}/{PREFIX}"\n'
         'registry_auth_file = "/registry-auth.json"\nregistry_ca = "/registry-ca.pem"\n'
     )
+
+
+def pin_tags(reg: Registry) -> set[str]:
+    """The checkpoints pinned in team-a's repository (pin tags, checkpoint/remote/pins.py),
+    read on the registry's disk."""
+    tags = reg.storage / "docker/registry/v2/repositories" / PREFIX / "team-a" / "_manifests/tags"
+    found = (parse_pin_tag(p.name) for p in (tags.iterdir() if tags.exists() else ()))
+    return {t.checkpoint_id for t in found if t is not None}
 
 
 def node_store(node: Containerd) -> Store:
@@ -194,6 +207,12 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
             page.click(f'[aria-label="Pin checkpoint {taken}"]')
             wait_status(page, f"Pinning {taken}: done")
             assert node_store(a).catalog.get(taken).pinned, "the pin must reach node A's store"
+            # ... and the registry (at once, or by node A's agent once the push is done).
+            wait_for(
+                lambda: taken in pin_tags(registry),
+                timeout=90,
+                what="the pin tag in the registry",
+            )
 
             page.eval("location.hash = '#/ns/team-a'")
             page.wait("document.querySelector('#view-title')?.textContent === 'Namespace team-a'",
@@ -252,11 +271,24 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
             )
             assert row and "node-a, node-b" in row and "pushed" in row, row
             page.screenshot(shots / "6-migrated.png")
+            # What the registry holds for her checkpoints, in bytes (read by a node agent).
+            use = page.eval("document.querySelector('#registry-use').innerText")
+            assert "all you may see" in use and f"team-a / {label}" in use, use
+            assert "unreadable" not in use and "KiB" in use, use
+            # A reload of the page: the migration's steps are still shown (the
+            # controller keeps its operations, in a ConfigMap across its restarts).
+            page.reload()
+            page.wait(
+                "document.querySelectorAll('ol.steps li.done').length === 5",
+                what="the migration's five steps after a reload",
+            )
+            assert ("cedana-system", "cedana-operations") in kube.state.config_maps
 
             page.eval("location.hash = '#/cluster'")
             page.click(f'[aria-label="Delete checkpoint {taken}"]')
             wait_status(page, f"Deleting {taken}: done")
             assert taken not in {e.id for e in node_store(a).catalog.list()}
+            assert taken not in pin_tags(registry), "its pin in the registry is gone too"
             page.screenshot(shots / "7-deleted.png")
 
             # A policy, typed into the namespace view's form: node B's agent applies it
@@ -271,6 +303,11 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
             ):
                 page.click(field)
                 page.type(value)
+            # Before eviction: checkpoint, chosen with the keyboard.
+            page.eval("document.querySelector('#policy-eviction').focus()")
+            page.press("ArrowDown")
+            assert page.eval("document.querySelector('#policy-eviction').value") == "checkpoint"
+            page.click("#policy-pin")
             page.press("Enter")
             wait_status(page, "Saving policy every-10s: done")
 
@@ -300,6 +337,14 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
                 timeout=60,
             )
             page.screenshot(shots / "8-policy.png")
+            assert kube.state.config_maps[("team-a", "every-10s")]["data"]["beforeEviction"] == (
+                "checkpoint"
+            )
+            wait_for(
+                lambda: ("team-a", label) in read_labels(str(b.store)),
+                timeout=60,
+                what="node B's agent to make the counter's stop wait for its push",
+            )
 
             audit = [(e["reason"], e["involvedObject"]["name"]) for e in kube.events_by("Cedana")]
             assert audit == [
@@ -310,6 +355,90 @@ def test_a_user_drives_checkpoints_and_a_migration_from_the_browser(
             assert all(e["message"].startswith(USER) for e in kube.events_by("Cedana"))
             assert "audit user=alice@example.com action=migrate" in ctl.proc.log.read_text()
             assert page.console == [], page.console
+    finally:
+        cri_a.close()
+        cri_b.close()
+        kube.close()
+
+
+def test_a_drained_pod_of_a_before_eviction_policy_resumes_elsewhere(
+    make_node: MakeNode,
+    node_env: dict[str, str],
+    registry: Registry,
+    tls: TlsFiles,
+    tmp_path: Path,
+) -> None:
+    """Nodes whose shims push in the background (``registry_sync = background``: a
+    stop does not wait for the registry). A policy saved through the dashboard's API
+    with ``beforeEviction: checkpoint`` covers the counter; node A is drained (cordon,
+    then the pod's eviction; kubelet's stop played by this test): the stop's
+    checkpoint is in the registry before the container exits, and the replacement on
+    node B resumes the count from it."""
+    env = {**node_env, "CEDANA_REGISTRY_SYNC": "background"}
+    a, b = make_node(env), make_node(env)
+    kube = FakeKubeApi()
+    kube.add_token(TOKEN, USER)
+    kube.allow(USER, *namespace_rules("team-a", ("get", "pods"), ("update", "configmaps")))
+    label = unique_label("drain")
+    port = free_port()
+    cri_a, cri_b = a.cri(), b.cri()
+    try:
+        with (
+            agent(kube, a.base, "node-a", "127.0.0.1", port, containerd_socket=a.socket,
+                  store=f"/{a.store.name}", extra_config=agent_config(a, registry, tls, node_env)),
+            agent(kube, b.base, "node-b", "127.0.0.2", port, containerd_socket=b.socket,
+                  store=f"/{b.store.name}", extra_config=agent_config(b, registry, tls, node_env)),
+            controller(kube, tmp_path, port) as ctl,
+            EventStream(b.socket) as events_b,
+            contextlib.ExitStack() as stack,
+        ):  # fmt: skip
+            first = start_app(stack, a, cri_a, label=label, namespace="team-a",
+                              host_network=False, pod_name="counter-0")  # fmt: skip
+            kube.add_pod(pod_object("team-a", "counter-0", "node-a", label))
+            path = "/api/v1/namespaces/team-a/policies/drain-safe"
+            status, doc = ctl.call(
+                "POST", path, TOKEN, {"selector": "app=counter", "beforeEviction": "checkpoint"}
+            )
+            assert status == 200 and doc["beforeEviction"] == "checkpoint", doc
+            status, doc = ctl.call("GET", "/api/v1/namespaces/team-a/policies", TOKEN)
+            [policy] = doc["policies"]
+            assert policy["covers"] == ["counter-0/app"], policy
+            assert policy["policy"]["beforeEviction"] == "checkpoint"
+            wait_for(
+                lambda: ("team-a", label) in read_labels(str(a.store)),
+                timeout=60,
+                what="node A's agent to tell its shims that the counter's stop waits for the push",
+            )
+            wait_ticks(first.stdout, count=3)
+
+            # The drain: cordon node A, evict the pod; kubelet on A stops it.
+            status, _ = http_json(f"{kube.url}/api/v1/nodes/node-a", "PATCH", TOKEN,
+                                  {"spec": {"unschedulable": True}})  # fmt: skip
+            assert status == 200
+            status, _ = http_json(
+                f"{kube.url}/api/v1/namespaces/team-a/pods/counter-0/eviction", "POST", TOKEN, {}
+            )
+            assert status == 201 and kube.state.evictions == [("team-a", "counter-0")]
+            stop_app(cri_a, first)
+            before = parse_ticks(first.stdout())
+            assert before is not None
+            [stopped] = [
+                e for e in node_store(a).catalog.list(label=label)
+                if e.metadata.get("reason") == "stop"
+            ]  # fmt: skip
+            # Exited: by then the stop's checkpoint was pushed (its outbox record gone).
+            assert stopped.id not in Outbox(str(a.store)).pending(), (
+                "the container exited before its checkpoint reached the registry"
+            )
+
+            # The ReplicaSet's replacement, scheduled on node B, resumes from the registry.
+            kube.add_pod(pod_object("team-a", "counter-1", "node-b", label))
+            second = start_app(stack, b, cri_b, label=label, namespace="team-a",
+                               host_network=False, pod_name="counter-1")  # fmt: skip
+            outcome = events_b.wait_topic(TOPIC_RESTORE, second.cid, timeout=120)
+            assert outcome.field("outcome") == "restored", outcome
+            assert outcome.checkpoint_id == stopped.id
+            assert_continues(before, wait_ticks(second.stdout, count=3), "the drained pod")
     finally:
         cri_a.close()
         cri_b.close()

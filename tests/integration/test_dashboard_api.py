@@ -16,6 +16,9 @@ here), which answers TokenReview and SubjectAccessReview from RBAC-like rules.
   store, and the policies view shows what it covers and what was done; a malformed
   policy is refused with the rule it breaks, and a user without `update configmaps`
   may not save one;
+* registry use: what node A's registry holds for the namespaces a user may see, in
+  bytes (each blob once), read by node A's agent; a pin through the API reaches the
+  registry, where no node's retention deletes the checkpoint until it is unpinned;
 * "start a copy" creates a pod with the source's spec, no labels of its own but
   `cedana.ai/copy-of`, and `cedana.ai/restore: <id>`; without `create pods`, 403.
 The containerd-backed flows (checkpoint now, migrate) and the browser are in
@@ -27,8 +30,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+from cedana_shim.checkpoint.remote import RemoteStore
+from cedana_shim.checkpoint.remote.manifest import EMPTY_DIGEST
+from cedana_shim.checkpoint.remote.shared_dir import SharedDirectory
 from cedana_shim.checkpoint.store import Store
 from support.checkpoints import commit_checkpoint, open_store
 
@@ -45,6 +52,7 @@ from .harness.kube_api import FakeKubeApi, Rule
 from .harness.util import wait_for
 
 ALICE, BOB = "alice-token", "bob-token"
+REGISTRY_A = 'registry = "/shared"\n'  # under node A's host root
 
 
 @dataclass
@@ -53,6 +61,7 @@ class Setup:
     ctl: Controller
     store_a: Store
     store_b: Store
+    registry_a: Path  # node A's registry (a shared directory)
     team_a: str  # checkpoint ids
     team_b: str
     agent_port: int
@@ -80,6 +89,9 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
     roots = {n: tmp_path / n for n in ("a", "b")}
     for root in roots.values():
         root.mkdir()
+    # Node A pushes to a registry: a shared directory (the remote store's other
+    # backend, the same code for tags, manifests, pins and retention as a registry's).
+    (roots["a"] / "shared").mkdir(mode=0o700)
     store_a, store_b = open_store(roots["a"] / "store"), open_store(roots["b"] / "store")
     team_a = commit_checkpoint(store_a, {"pages-1.img": b"a" * 4096}, label="web", scope="team-a")
     team_b = commit_checkpoint(store_b, {"pages-1.img": b"b" * 4096}, label="db", scope="team-b")
@@ -103,11 +115,13 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
     port = free_port()
     try:
         with (
-            agent(kube, roots["a"], "node-a", "127.0.0.1", port),
+            agent(kube, roots["a"], "node-a", "127.0.0.1", port, extra_config=REGISTRY_A),
             agent(kube, roots["b"], "node-b", "127.0.0.2", port),
             controller(kube, tmp_path, port) as ctl,
         ):
-            yield Setup(kube, ctl, store_a, store_b, team_a.id, team_b.id, port)
+            yield Setup(
+                kube, ctl, store_a, store_b, roots["a"] / "shared", team_a.id, team_b.id, port
+            )
     finally:
         kube.close()
 
@@ -267,3 +281,67 @@ def test_a_migration_is_refused_before_it_starts_when_it_cannot_work(setup: Setu
     )
     assert status == 404 and "no container that opts in" in doc["error"]
     assert setup.kube.state.evictions == [], "nothing was evicted"
+
+
+def test_registry_use_and_a_pin_in_the_registry(setup: Setup) -> None:
+    remote = RemoteStore(setup.store_a, SharedDirectory(str(setup.registry_a)), "node-a")
+    remote.push(setup.team_a)
+    later = commit_checkpoint(
+        setup.store_a, {"pages-1.img": b"c" * 4096}, label="web", scope="team-a"
+    )
+    remote.push(later.id)
+    blobs = setup.registry_a / "team-a" / "blobs" / "sha256"
+    # Every blob there is one of the two checkpoints' but the in-flight markers' empty
+    # config, which registry use does not count.
+    on_disk = sum(p.stat().st_size for p in blobs.iterdir() if f"sha256:{p.name}" != EMPTY_DIGEST)
+    status, alice = setup.ctl.call("GET", "/api/v1/cluster", ALICE)
+    assert status == 200, alice
+    [use] = alice["registryUse"]
+    assert (use["via"], use["checkpoints"], use["errors"]) == ("node-a", 2, [])
+    assert use["bytes"] == on_disk, "each blob counted once"
+    [team_a] = use["namespaces"]
+    assert (team_a["namespace"], team_a["bytes"]) == ("team-a", on_disk)
+    assert [x["label"] for x in team_a["labels"]] == ["web"]
+    status, bob = setup.ctl.call("GET", "/api/v1/cluster", BOB)
+    assert [(u["checkpoints"], u["bytes"]) for u in bob["registryUse"]] == [(0, 0)]
+
+    status, doc = setup.ctl.call(
+        "POST", f"/api/v1/checkpoints/{setup.team_a}/pin", ALICE, {"pinned": True}
+    )
+    assert status == 200, doc
+    other_node = RemoteStore(
+        open_store(setup.registry_a.parent / "other"), SharedDirectory(str(setup.registry_a)), "x"
+    )
+    assert other_node.prune("team-a", "web", keep=0) == [later.id], "the pinned one stays"
+    status, doc = setup.ctl.call(
+        "POST", f"/api/v1/checkpoints/{setup.team_a}/pin", ALICE, {"pinned": False}
+    )
+    assert status == 200, doc
+    assert other_node.prune("team-a", "web", keep=0) == [setup.team_a]
+
+
+def test_an_operation_outlives_a_restart_of_the_controller(setup: Setup, tmp_path: Path) -> None:
+    """The migration fails at its first step (no container runs trainer-0 here), and
+    a new controller process, reading the operations' ConfigMap, still shows its
+    steps, to Alice and not to Bob."""
+    status, op = setup.ctl.call("POST", "/api/v1/namespaces/team-a/pods/trainer-0/migrate", ALICE)
+    assert status == 202, op
+
+    def ended() -> dict[str, Any] | None:
+        doc = setup.ctl.call("GET", f"/api/v1/operations/{op['id']}", ALICE)[1]
+        return doc if doc.get("state") != "running" else None
+
+    first = wait_for(ended, timeout=60, what="the migration to fail at its checkpoint")
+    assert [(s["name"], s["state"]) for s in first["steps"]][:2] == [
+        ("checkpoint", "failed"), ("push", "skipped")
+    ]  # fmt: skip
+    assert ("cedana-system", "cedana-operations") in setup.kube.state.config_maps
+    (tmp_path / "restarted").mkdir()
+    with controller(setup.kube, tmp_path / "restarted", setup.agent_port) as restarted:
+        status, doc = restarted.call("GET", f"/api/v1/operations/{op['id']}", ALICE)
+        assert status == 200 and doc == first, doc
+        status, cluster = restarted.call("GET", "/api/v1/cluster", ALICE)
+        assert [o["id"] for o in cluster["operations"]] == [op["id"]]
+        status, doc = restarted.call("GET", f"/api/v1/operations/{op['id']}", BOB)
+        assert status == 404, "bob may not see team-a"
+        assert restarted.call("GET", "/api/v1/cluster", BOB)[1]["operations"] == []

@@ -71,3 +71,23 @@ def test_restore_by_hand_names_the_label_and_the_checkpoint() -> None:
         '- {name: CEDANA_CHECKPOINT, value: "train"}',
         '- {name: CEDANA_RESTORE, value: "20260101T000000Z-0123abcd"}',
     ]
+
+
+def test_registry_use_counts_a_shared_blob_once_per_sum() -> None:
+    from cedana_shim.controller.registry_use import summarize
+
+    answer = {
+        "node": "a",
+        "registry": "reg:5000",
+        "checkpoints": [
+            {"namespace": "n1", "label": "web", "id": "1", "blobs": [["m1", 5], ["base", 100]]},
+            {"namespace": "n1", "label": "web", "id": "2", "blobs": [["m2", 5], ["base", 100]]},
+            {"namespace": "n1", "label": "db", "id": "3", "blobs": [["m3", 7], ["d", 30]]},
+            {"namespace": "n2", "label": "web", "id": "4", "blobs": [["m4", 5], ["base", 100]]},
+        ],
+    }
+    use = summarize(answer)
+    assert (use["bytes"], use["checkpoints"], use["via"]) == (5 * 3 + 100 + 7 + 30, 4, "a")
+    n1, n2 = use["namespaces"]
+    assert (n1["namespace"], n1["bytes"], n2["bytes"]) == ("n1", 5 + 5 + 100 + 7 + 30, 105)
+    assert [(x["label"], x["bytes"]) for x in n1["labels"]] == [("db", 37), ("web", 110)]

@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 from cedana_shim.checkpoint.store import StoreConfig
-from cedana_shim.node.policies import PolicyApplier, PolicyError, parse, to_config_map
+from cedana_shim.node.policies import (
+    LINGER_S,
+    PolicyApplier,
+    PolicyError,
+    parse,
+    to_config_map,
+)
 from support.checkpoints import commit_checkpoint, open_store
 
 
@@ -89,3 +95,50 @@ def test_the_applier_checkpoints_pins_and_retains_on_the_real_store(tmp_path: Pa
     assert kept == {newer.id: "policy", old[0].id: "user", taken[0]: ""}, (
         "the policy moves its own pin, never the user's"
     )
+
+
+def test_before_eviction_is_written_for_the_shims_of_the_node(tmp_path: Path) -> None:
+    """beforeEviction names the covered (namespace, label) pairs in the store's
+    push-before-exit.json, terminating pods included; the shim reads it at a stop."""
+    from cedana_shim.checkpoint.push_before_exit import read_labels, wants_push_before_exit
+
+    with pytest.raises(PolicyError, match="beforeEviction 'yes' must be checkpoint"):
+        parse("team-a", "p", {"beforeEviction": "yes"})
+    assert parse("team-a", "p", {"beforeEviction": "checkpoint"}).before_eviction == "checkpoint"
+
+    class Draining(Api):
+        def list_pods(self, namespace: str, node: str, selector: str) -> list[dict[str, Any]]:
+            pods = super().list_pods(namespace, node, selector)
+            pods[0]["metadata"]["deletionTimestamp"] = "2026-12-04T21:00:00Z"  # being evicted
+            return pods
+
+    open_store(tmp_path / "store")
+    root = str(tmp_path / "store")
+    api = Draining({"selector": "app=web", "beforeEviction": "checkpoint"})
+
+    def nothing(*_: Any) -> Any:
+        raise AssertionError("beforeEviction alone takes no checkpoint")
+
+    now = [1000.0]
+    applier = PolicyApplier(
+        api, "node-a", lambda: StoreConfig(root=root), nothing, nothing, clock=lambda: now[0]
+    )
+    applier.round()
+    assert read_labels(root) == {("team-a", "web")}
+    assert wants_push_before_exit(root, "team-a", "web")
+    assert not wants_push_before_exit(root, "team-a", "other")
+    # The evicted pod leaves the API while its container is still stopping: its pair
+    # stays for LINGER_S, then goes.
+    api.list_pods = lambda *_: []  # type: ignore[method-assign]
+    now[0] += LINGER_S - 1
+    applier.round()
+    assert read_labels(root) == {("team-a", "web")}
+    now[0] += 2
+    applier.round()
+    assert read_labels(root) == set()
+    del api.list_pods
+    applier.round()
+    assert read_labels(root) == {("team-a", "web")}
+    api.policy = {"selector": "app=web"}  # the key removed: the shims are told at once
+    applier.round()
+    assert read_labels(root) == set()

@@ -37,3 +37,30 @@ def test_pinning_an_unknown_or_malformed_id_says_so(tmp_path: Path) -> None:
         store.maintenance.pin("20261129T183000Z-3f9a1c2b")
     with pytest.raises(errors.InvalidArgument):
         store.maintenance.pin("../etc")
+
+
+def test_a_pin_survives_a_repair_of_the_index(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "store")
+    mine = commit_checkpoint(store, {"pages-1.img": b"a" * 100}, label="app")
+    policys = commit_checkpoint(store, {"pages-1.img": b"b" * 100}, label="app")
+    plain = commit_checkpoint(store, {"pages-1.img": b"c" * 100}, label="app")
+    store.maintenance.pin(mine.id)
+    store.maintenance.pin(policys.id, by_policy=True)
+    (tmp_path / "store" / "index.json").write_text("{damaged")
+    report = store.maintenance.repair()
+    assert report.rebuilt and {i for i, _ in report.recovered} == {mine.id, policys.id, plain.id}
+    pins = {e.id: e.pinned_by for e in store.catalog.list(label="app")}
+    assert pins == {mine.id: "user", policys.id: "policy", plain.id: ""}
+    # And the rebuilt index keeps them exempt from prune.
+    assert store.maintenance.prune(label="app", keep=0) == [plain.id]
+
+
+def test_a_damaged_pins_file_loses_no_checkpoint_on_repair(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "store")
+    entry = commit_checkpoint(store, {"pages-1.img": b"a" * 100}, label="app")
+    store.maintenance.pin(entry.id)
+    (tmp_path / "store" / "pins.json").write_text("[not pins")
+    (tmp_path / "store" / "index.json").unlink()
+    assert store.maintenance.repair().rebuilt
+    [found] = store.catalog.list(label="app")
+    assert found.id == entry.id and not found.pinned

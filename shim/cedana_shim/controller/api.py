@@ -59,7 +59,7 @@ _ROUTES: Final = [
     ("POST", re.compile(rf"/api/v1/checkpoints/{_ID}/copy"), "copy"),
     ("POST", re.compile(rf"/api/v1/namespaces/{_NAME}/pods/{_NAME}/checkpoint"), "checkpoint_now"),
     ("POST", re.compile(rf"/api/v1/namespaces/{_NAME}/pods/{_NAME}/migrate"), "migrate"),
-    ("GET", re.compile(r"/api/v1/operations/(op-[0-9]+)"), "operation"),
+    ("GET", re.compile(r"/api/v1/operations/(op-[0-9a-f]+)"), "operation"),
     ("GET", re.compile(rf"/api/v1/namespaces/{_NAME}/policies"), "policies"),
     ("POST", re.compile(rf"/api/v1/namespaces/{_NAME}/policies/{_NAME}"), "save_policy"),
     (

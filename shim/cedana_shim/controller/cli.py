@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     from .agents import Agents
     from .api import ControllerApi
     from .kube import ControllerKube
+    from .op_store import ConfigMapOperations
+    from .operations import Operations
     from .service import Dashboard
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -90,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
         api, token, namespace=args.agents_namespace, selector=args.agents_selector,
         port=args.agent_port,
     )  # fmt: skip
-    dashboard = Dashboard(api, Access(api), agents)
+    # Operations are kept in a ConfigMap of the controller's own namespace (op_store.py).
+    operations = Operations(ConfigMapOperations(api, args.agents_namespace))
+    dashboard = Dashboard(api, Access(api), agents, operations=operations)
     try:
         server = HttpServer(ControllerApi(dashboard), args.address, args.port, name="controller")
     except OSError as err:

@@ -33,6 +33,8 @@ class ClusterApi(Protocol):
 
     def save_config_map(self, namespace: str, config_map: dict[str, Any]) -> None: ...
 
+    def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
     def delete_config_map(self, namespace: str, name: str) -> None: ...
 
 
@@ -115,6 +117,20 @@ class ControllerKube(KubernetesApi):
             namespace,
             body,
         )
+
+    def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            found: dict[str, Any] = self._plain(
+                self._call(
+                    f"GET configmap {name} in {namespace}",
+                    self._core.read_namespaced_config_map,
+                    name,
+                    namespace,
+                )
+            )
+        except Missing:
+            return None
+        return found
 
     def save_config_map(self, namespace: str, config_map: dict[str, Any]) -> None:
         """Create the ConfigMap, or replace the one of that name."""

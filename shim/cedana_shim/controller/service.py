@@ -18,6 +18,7 @@ from .agents import AgentError, AgentRef, Agents
 from .audit import Audit
 from .kube import ClusterApi
 from .operations import Operation, Operations, StepFailed
+from .registry_use import registry_use
 
 MIGRATION_STEPS: Final = ["checkpoint", "push", "evict", "rescheduled", "resumed"]
 WAIT_S: Final = 300.0
@@ -39,12 +40,13 @@ class Dashboard:
         *,
         wait_s: float = WAIT_S,
         sleep: Callable[[float], None] = time.sleep,
+        operations: Operations | None = None,
     ) -> None:
         self.api = api
         self.access = access
         self.agents = agents
         self.audit = Audit(api)
-        self.operations = Operations()
+        self.operations = operations or Operations()
         self._wait_s = wait_s
         self._sleep = sleep
 
@@ -86,10 +88,12 @@ class Dashboard:
         return {
             "namespaces": sorted(ns),
             "nodes": views.node_rows(states) if sees_nodes else None,
+            "registryUse": registry_use(self.agents, states, ns) if ns else [],
             "unreachable": unreachable if sees_nodes else [],
             "workloads": [w for w in work if w["namespace"] in ns],
             "checkpoints": [c for c in checkpoints if c.get("namespace") in ns],
             "failures": [r for r in views.failures(records) if r.get("namespace") in ns][:50],
+            "operations": self.recent_operations(who),
         }
 
     def namespace(self, who: Identity, namespace: str, label: str = "") -> dict[str, Any]:
@@ -140,6 +144,17 @@ class Dashboard:
         if op is None or not (op.user == who.user or self.access.can(who, op.namespace, SEE)):
             raise NotFoundError(f"no operation {op_id} (operations are kept an hour)")
         return op.to_json()
+
+    def recent_operations(self, who: Identity, limit: int = 5) -> list[dict[str, Any]]:
+        """The newest operations the user may see (theirs, or in a namespace they see),
+        kept across controller restarts (operations.py)."""
+        seen: list[dict[str, Any]] = []
+        for op in self.operations.recent():
+            if len(seen) == limit:
+                break
+            if op.user == who.user or self.access.can(who, op.namespace, SEE):
+                seen.append(op.to_json())
+        return seen
 
     def policies(self, who: Identity, namespace: str) -> dict[str, Any]:
         """The namespace's policies, the workloads each covers (from the API server's

@@ -35,6 +35,7 @@ from ..bundle_state import clear_stopping, mark_stopping
 from ..checkpoint import op_records, oplog
 from ..checkpoint.pipeline import Dump, DumpRequest, Pipeline, Target
 from ..checkpoint.policy import Mode, Policy
+from ..checkpoint.push_before_exit import wants_push_before_exit
 from ..checkpoint.store import Entry
 from ..config import NodeConfig
 from ..errors import Aborted, DeadlineExceeded, FailedPrecondition, NotFound, ShimError
@@ -192,7 +193,7 @@ class Checkpointing:
                 if init.stop is None:  # no longer STOPPING: it died meanwhile (OOM, a kill
                     return entry  # from outside), nothing left to stop
                 init.stop_durable()
-        if self.config.registry and self.config.registry_sync == "before-exit":
+        if self._push_before_exit():
             await self.pipeline.delivery.wait_pushed(
                 entry, self._after_commit, self._hurry, self.container_id
             )
@@ -201,6 +202,16 @@ class Checkpointing:
         with contextlib.suppress(NotFound):
             await current.runc.kill(self.container_id, signal.SIGKILL, all=True)
         return entry
+
+    def _push_before_exit(self) -> bool:
+        """Whether a stop waits for the push: ``registry_sync = before-exit``, or a
+        namespace policy's ``beforeEviction`` for this label (the node agent's file,
+        checkpoint/push_before_exit.py)."""
+        if not self.config.registry:
+            return False
+        return self.config.registry_sync == "before-exit" or wants_push_before_exit(
+            self.pipeline.store.root, self.policy.scope, self.policy.label
+        )
 
     async def _silence_connections(self, current: Target) -> None:
         """The kill must not close the checkpointed TCP connections for their peers
@@ -378,7 +389,7 @@ class Checkpointing:
             task_ev.TaskCheckpointed(container_id=self.container_id, checkpoint=entry.id)
         )
         # A stop that reports its exit after the push waits for this compaction too.
-        urgent = reason == "stop" and self.config.registry_sync == "before-exit"
+        urgent = reason == "stop" and self._push_before_exit()
         self._after_commit = await self.pipeline.delivery.committed(entry, urgent=urgent)
         return entry
 

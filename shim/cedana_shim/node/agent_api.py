@@ -12,9 +12,15 @@ GET  /v1/node         the node: taint decision, store use, registry, pending pus
                       the operations finished lately (checkpoints, restores, failures),
                       how each namespace policy was applied here (node/policies.py)
 GET  /v1/checkpoints  the checkpoints in this node's store
+GET  /v1/registry?namespaces=a,b
+                      what the node's registry holds for those namespaces: each
+                      checkpoint's blobs and sizes, read with the node's credentials
+                      (registry_use.py); 404 when the node has no registry
 POST /v1/checkpoint   {"namespace", "pod", "container", "leaveRunning"}: checkpoint now
-POST /v1/pin          {"id", "pinned"}: exempt from retention, or end that
-POST /v1/delete       {"id"}: remove from this node's store
+POST /v1/pin          {"id", "pinned"}: exempt from retention, or end that, in this
+                      node's store and in the registry (checkpoint/remote/pins.py;
+                      one whose push is still to come: registry_pins_round, later)
+POST /v1/delete       {"id"}: remove from this node's store (and its pin in the registry)
 """
 
 from __future__ import annotations
@@ -27,14 +33,19 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from .. import errors
 from ..checkpoint.remote import Outbox
+from ..checkpoint.remote.pins import set_pin
 from ..checkpoint.store import Store, StoreConfig
 from ..untrusted_json import loads
 from .http_server import Request, Response
 from .kube import Identity, KubeError, TokenApi
+from .registry_use import RegistryUse
+
+if TYPE_CHECKING:
+    from ..registry import Registry
 
 REVIEW_TTL: Final = 60.0
 HISTORY: Final = 200  # operations kept for /v1/node (the agent's memory only)
@@ -89,6 +100,11 @@ class AgentApi:
     registry: Callable[[], str] = lambda: ""
     taint: Callable[[], dict[str, Any] | None] = lambda: None
     policies: Callable[[], list[dict[str, Any]]] = lambda: []  # how each was applied here
+    registry_client: Callable[[], Registry | None] = lambda: None  # the node's, or None
+    usage: RegistryUse = field(default_factory=RegistryUse)
+    # Pinned checkpoints whose registry pin was settled (done, or not in the registry
+    # once pushed): registry_pins_round leaves them alone.
+    _settled: set[str] = field(default_factory=set)
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
 
     def __call__(self, request: Request) -> Response:
@@ -110,6 +126,8 @@ class AgentApi:
                 return json_response(200, self.node_state())
             if route == ("GET", "/v1/checkpoints"):
                 return json_response(200, self.checkpoints())
+            if route == ("GET", "/v1/registry"):
+                return self.registry_use(request.query.get("namespaces", ""))
             if request.method == "POST" and request.path in _ACTIONS:
                 body = loads(request.body or b"{}")
                 if not isinstance(body, dict):
@@ -179,6 +197,13 @@ class AgentApi:
             items.append(doc)
         return {"node": self.node, "checkpoints": items}
 
+    def registry_use(self, namespaces: str) -> Response:
+        client = self.registry_client()
+        if client is None:
+            return error(404, f"node {self.node} pushes to no registry")
+        wanted = [n for n in namespaces.split(",") if n]
+        return json_response(200, {"node": self.node, **self.usage.read(client, wanted)})
+
     # -- actions -----------------------------------------------------------------------
 
     def checkpoint_now(self, body: dict[str, Any]) -> Response:
@@ -195,13 +220,63 @@ class AgentApi:
 
     def pin(self, body: dict[str, Any]) -> Response:
         opened = self._need_store()
-        opened.maintenance.pin(str(body["id"]), bool(body.get("pinned", True)))
-        return json_response(200, {"node": self.node, "id": body["id"], "pinned": body["pinned"]})
+        checkpoint_id, pinned = str(body["id"]), bool(body.get("pinned", True))
+        scope = opened.catalog.get(checkpoint_id).scope
+        opened.maintenance.pin(checkpoint_id, pinned)
+        answer = {"node": self.node, "id": checkpoint_id, "pinned": pinned}
+        return json_response(200, {**answer, **self._registry_pin(scope, checkpoint_id, pinned)})
 
     def delete(self, body: dict[str, Any]) -> Response:
         opened = self._need_store()
-        opened.maintenance.remove(str(body["id"]))
-        return json_response(200, {"node": self.node, "id": body["id"], "deleted": True})
+        checkpoint_id = str(body["id"])
+        scope = opened.catalog.get(checkpoint_id).scope
+        opened.maintenance.remove(checkpoint_id)
+        # The registry's copy stays, for its retention to remove in time: not if pinned.
+        registry = self._registry_pin(scope, checkpoint_id, False)
+        return json_response(
+            200, {"node": self.node, "id": checkpoint_id, "deleted": True, **registry}
+        )
+
+    def registry_pins_round(self) -> list[str]:
+        """Pin in the registry what a user pinned here before its push reached it
+        (the pin then found nothing to pin there); the ids pinned now. Run every
+        round beside the policies: one tag list per such checkpoint, once pushed."""
+        client = self.registry_client()
+        opened = self._open()
+        if client is None or opened is None:
+            return []
+        config, store = opened
+        pending = set(Outbox(config.root).pending())
+        done = []
+        for entry in store.catalog.list():
+            if entry.pinned_by != "user" or entry.id in self._settled or entry.id in pending:
+                continue
+            try:
+                if set_pin(client, entry.scope, entry.id, True, self.node):
+                    done.append(entry.id)
+            except errors.ShimError as err:
+                log.warning("registry pin of %s: %s (next round again)", entry.id, err)
+                continue
+            self._settled.add(entry.id)
+        return done
+
+    def _registry_pin(self, scope: str, checkpoint_id: str, pinned: bool) -> dict[str, Any]:
+        """Pin (or unpin) in the registry too; ``inRegistry``: whether it holds the
+        checkpoint, ``registryError``: why that failed ("" when it did not)."""
+        client = self.registry_client()
+        if client is None:
+            return {"inRegistry": False, "registryError": ""}
+        try:
+            held = set_pin(client, scope, checkpoint_id, pinned, self.node)
+        except errors.ShimError as err:
+            log.warning("registry pin of %s: %s", checkpoint_id, err)
+            return {"inRegistry": True, "registryError": str(err)}
+        # Not held yet (its push still to come): registry_pins_round pins it later.
+        if held or not pinned:
+            self._settled.add(checkpoint_id)
+        else:
+            self._settled.discard(checkpoint_id)
+        return {"inRegistry": held, "registryError": ""}
 
     def _need_store(self) -> Store:
         opened = self._open()

@@ -544,6 +544,26 @@ def _agent_api(args: argparse.Namespace, api: Any, opts: Any, taints: Any, stop:
         except ShimError:
             return ""
 
+    remembered: dict[Any, Any] = {}
+
+    def registry_client() -> Any:
+        """The node's registry client, made again only when the node config changes."""
+        from ..config import load_node_config
+        from ..errors import ShimError
+        from .pending_pushes import host_view
+        from .registry_use import node_registry
+
+        try:
+            config = host_view(host, load_node_config(host.path(opts.shim_config), env={}))
+        except ShimError:
+            return None
+        key = (config.registry, config.registry_auth_file, config.registry_ca,
+               config.registry_insecure, config.registry_timeout)  # fmt: skip
+        if key not in remembered:
+            remembered.clear()
+            remembered[key] = node_registry(config)
+        return remembered[key]
+
     def taint() -> dict[str, Any] | None:
         last = taints.last
         return None if last is None else {"tainted": last.tainted, "reasons": list(last.reasons)}
@@ -560,6 +580,7 @@ def _agent_api(args: argparse.Namespace, api: Any, opts: Any, taints: Any, stop:
         find_container=find_container,
         take_checkpoint=take,
         registry=registry,
+        registry_client=registry_client,
         taint=taint,
         history=history,
         policies=lambda: [dict(v) for v in applier.status.values()],
@@ -573,7 +594,12 @@ def _agent_api(args: argparse.Namespace, api: Any, opts: Any, taints: Any, stop:
         ) from None
     server.start()
     logging.getLogger("cedana.node").info("agent API on %s", server.url)
-    in_background(applier.round, interval=args.interval, stop=stop, name="policies")
+
+    def policies_round() -> None:
+        applier.round()
+        handler.registry_pins_round()  # pins made before their push reached the registry
+
+    in_background(policies_round, interval=args.interval, stop=stop, name="policies")
     return history
 
 

@@ -17,11 +17,27 @@ from dataclasses import replace
 
 from ..checkpoint.delivery import Delivery
 from ..checkpoint.remote.shared_dir import names_shared_dir
-from ..config import load_node_config
+from ..config import NodeConfig, load_node_config
 from ..errors import ShimError
 from .hostfs import HostRoot
 
 log = logging.getLogger(__name__)
+
+
+def host_view(host: HostRoot, config: NodeConfig) -> NodeConfig:
+    """The node config with the store's and the registry's paths as this process
+    sees them (the config's are the host's; they are under the host root here)."""
+    return replace(
+        config,
+        store_path=host.path(config.store_path),
+        registry=host.path(config.registry)
+        if names_shared_dir(config.registry)
+        else config.registry,
+        registry_auth_file=host.path(config.registry_auth_file)
+        if config.registry_auth_file
+        else "",
+        registry_ca=host.path(config.registry_ca) if config.registry_ca else "",
+    )
 
 
 def push_pending(host: HostRoot, shim_config: str) -> list[str]:
@@ -37,18 +53,7 @@ def push_pending(host: HostRoot, shim_config: str) -> list[str]:
     store_root = host.path(config.store_path)
     if not os.path.isdir(os.path.join(store_root, "outbox")):
         return []  # nothing was ever recorded on this node
-    # Paths in the node config are the host's; this process sees them under the root.
-    config = replace(
-        config,
-        store_path=store_root,
-        registry=host.path(config.registry)
-        if names_shared_dir(config.registry)
-        else config.registry,
-        registry_auth_file=host.path(config.registry_auth_file)
-        if config.registry_auth_file
-        else "",
-        registry_ca=host.path(config.registry_ca) if config.registry_ca else "",
-    )
+    config = host_view(host, config)
     try:
         delivery = Delivery.for_node(
             config, root=store_root, node_name=os.environ.get("NODE_NAME") or platform.node()

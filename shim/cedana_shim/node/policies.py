@@ -9,12 +9,16 @@ namespace (the dashboard writes them; ``kubectl apply`` works as well)::
       interval: "10m"           # a leave-running checkpoint when the newest is older
       retain: "5"               # keep the newest 5 per label on each node (pins aside)
       pinLatest: "1"            # pin the newest 1 per label; unpin what it pinned before
+      beforeEviction: checkpoint  # an evicted/drained pod's stop checkpoint is in the
+                                # registry before it exits, whatever registry_sync says
 
 It covers the containers of the selected pods that opt in (``CEDANA_CHECKPOINT`` or
 ``CEDANA_ENABLE``: their label is the env value or, for ``CEDANA_ENABLE``, the
 container's name). Every key but the selector is optional. The applier's pins are
 marked as the policy's (``Maintenance.pin(by_policy=True)``): it never unpins a
-user's pin.
+user's pin. ``beforeEviction`` is written for the shims to read at a stop
+(checkpoint/push_before_exit.py): every (namespace, label) it covers on the node,
+terminating pods included (a drain's SIGTERM must find them there).
 """
 
 from __future__ import annotations
@@ -29,13 +33,17 @@ from datetime import UTC, datetime
 from typing import Any, Final, Protocol
 
 from ..checkpoint.policy import parse_duration
+from ..checkpoint.push_before_exit import FILE as PUSH_FILE
+from ..checkpoint.push_before_exit import write_labels
 from ..checkpoint.store import Store, StoreConfig
 from ..errors import ShimError
 from .kube import KubeError
 
 LABEL: Final = "cedana.ai/policy"
-KEYS: Final = ("selector", "interval", "retain", "pinLatest")
+KEYS: Final = ("selector", "interval", "retain", "pinLatest", "beforeEviction")
+BEFORE_EVICTION: Final = ("checkpoint",)  # the values beforeEviction takes ("" : none)
 _SELECTOR_TERM = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_./]*[A-Za-z0-9])?=[-A-Za-z0-9_.]*")
+LINGER_S: Final = 600.0  # a covered pod's pair outlives it: its stop may still run
 OPT_IN_ENV: Final = ("CEDANA_CHECKPOINT", "CEDANA_ENABLE")
 OPT_IN_ANNOTATION: Final = "cedana.ai/checkpoint"
 
@@ -54,6 +62,7 @@ class Policy:
     interval: float | None = None
     retain: int | None = None
     pin_latest: int | None = None
+    before_eviction: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -63,6 +72,7 @@ class Policy:
             "interval": self.interval,
             "retain": self.retain,
             "pinLatest": self.pin_latest,
+            "beforeEviction": self.before_eviction,
         }
 
 
@@ -80,6 +90,12 @@ def parse(namespace: str, name: str, data: Mapping[str, Any]) -> Policy:
             interval = parse_duration(str(data["interval"]), f"policy {namespace}/{name}")
         except ShimError as err:
             raise PolicyError(str(err)) from None
+    before_eviction = str(data.get("beforeEviction") or "").strip()
+    if before_eviction and before_eviction not in BEFORE_EVICTION:
+        raise PolicyError(
+            f"policy {namespace}/{name}: beforeEviction {before_eviction!r} must be "
+            f"{' or '.join(BEFORE_EVICTION)} (or empty)"
+        )
     return Policy(
         namespace,
         name,
@@ -87,6 +103,7 @@ def parse(namespace: str, name: str, data: Mapping[str, Any]) -> Policy:
         interval,
         _count(namespace, name, data, "retain", 1),
         _count(namespace, name, data, "pinLatest", 0),
+        before_eviction,
     )
 
 
@@ -159,6 +176,9 @@ class PolicyApplier:
     take_checkpoint: Callable[[str, bool], dict[str, Any]]
     clock: Callable[[], float] = time.time
     status: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Per policy, the (namespace, label) pairs its beforeEviction covers here, with
+    # when each was last seen (a pod gone from the API lingers: see _before_exit).
+    push_before_exit: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
 
     def round(self) -> None:
         try:
@@ -180,6 +200,7 @@ class PolicyApplier:
                 policy = from_config_map(config_map)
                 if config is not None:
                     self._apply(policy, Store(config), state)
+                self.push_before_exit[key] = self._before_exit(policy, key)
                 state["error"] = ""
             except (PolicyError, ShimError, KubeError, LookupError, RuntimeError) as err:
                 state["error"] = str(err)
@@ -187,6 +208,33 @@ class PolicyApplier:
             state["appliedAt"] = self.clock()
         for gone in set(self.status) - seen:
             del self.status[gone]
+        for gone in set(self.push_before_exit) - seen:
+            del self.push_before_exit[gone]
+        if config is not None:
+            pairs = {p for seen in self.push_before_exit.values() for p in seen}
+            try:
+                if write_labels(config.root, pairs):
+                    log.info("stops that wait for the registry: %s", sorted(pairs) or "none")
+            except OSError as err:
+                log.warning("cannot write %s in %s: %s", PUSH_FILE, config.root, err)
+
+    def _before_exit(self, policy: Policy, key: str) -> dict[tuple[str, str], float]:
+        """What the policy's beforeEviction covers on this node: every pod it selects
+        here, terminating ones too (a drained pod's stop reads the file), and for
+        :data:`LINGER_S` those that left the API (a pod deleted at once, whose
+        container is still stopping); nothing once the key is gone from the policy."""
+        if not policy.before_eviction:
+            return {}
+        now = self.clock()
+        seen = {
+            pair: when
+            for pair, when in self.push_before_exit.get(key, {}).items()
+            if now - when < LINGER_S
+        }
+        for pod in self.api.list_pods(policy.namespace, self.node, policy.selector):
+            for container in opted_in(pod):
+                seen[(policy.namespace, container["label"])] = now
+        return seen
 
     def _apply(self, policy: Policy, store: Store, state: dict[str, Any]) -> None:
         actions: deque[str] = deque(state["actions"], maxlen=10)

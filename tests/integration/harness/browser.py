@@ -28,6 +28,7 @@ WINDOW = (1400, 1000)
 _KEYS = {
     "Enter": {"code": "Enter", "windowsVirtualKeyCode": 13, "text": "\r"},
     "Tab": {"code": "Tab", "windowsVirtualKeyCode": 9},
+    "ArrowDown": {"code": "ArrowDown", "windowsVirtualKeyCode": 40},
 }
 
 
@@ -164,6 +165,11 @@ class Browser:
     def open(self, url: str) -> None:
         self.send("Page.navigate", {"url": url}, session=self.session)
         self.wait("document.readyState === 'complete'", what=f"{url} to load")
+
+    def reload(self) -> None:
+        """What the browser's reload does: the page from scratch (sessionStorage stays)."""
+        self.send("Page.reload", {}, session=self.session)
+        self.wait("document.readyState === 'complete'", what="the page to load again")
 
     def eval(self, expression: str) -> Any:
         result = self.send(

@@ -49,11 +49,12 @@ from .manifest import (
     parse_marker,
 )
 from .model import RemoteCheckpoint
+from .pins import pinned_bases
 from .pull import check_config, check_sizes, pull_into, read_manifest
 from .sender import UPLOAD_WORKERS, BlobSender, Progress
 from .shared_dir import SharedDirectory, names_shared_dir
 from .signing import Signer, Trust
-from .tags import PENDING_SUFFIX, CheckpointTag, encode_label, parse_tag, tag_for
+from .tags import PENDING_SUFFIX, CheckpointTag, encode_label, parse_pin_tag, parse_tag, tag_for
 
 if TYPE_CHECKING:
     from cedana_shim.checkpoint.store import Entry, Store
@@ -349,18 +350,20 @@ class RemoteStore:
         registry, and the markers their tags superseded; returns the ids deleted.
         [] when the registry refuses deletes (logged once). Tags this node's store has
         a failure record of count last, as in the store's own retention: a good
-        checkpoint is never deleted for one that failed here."""
+        checkpoint is never deleted for one that failed here. A checkpoint pinned in
+        the registry (pins.py) is kept and not counted."""
         if keep < 0:
             raise errors.InvalidArgument(f"keep must be >= 0, got {keep}")
         repo = self.client.repository_for(scope)
         part = encode_label(label)
-        tags = [t for t in self._tags(repo) if t.label_part == part]
+        pins: set[str] = set()
+        tags = [t for t in self._tags(repo, pins) if t.label_part == part]
         failures = self.store.failure_records.failures()
         complete = failed_last(
-            _newest_first(t for t in tags if not t.pending),
+            _newest_first(t for t in tags if not t.pending and t.base not in pins),
             lambda t: has_failed(failures, t.checkpoint_id, t.base),
         )
-        bases = {t.base for t in complete}
+        bases = {t.base for t in tags if not t.pending}  # a pinned one's supersedes too
         markers = [t for t in tags if t.pending and t.base in bases]
         removed: _Ids = []
         for tag in [*complete[keep:], *markers]:
@@ -378,17 +381,20 @@ class RemoteStore:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _tags(self, repo: str) -> _Tags:
-        """The repository's checkpoint tags and markers; others are skipped, with a warning."""
+    def _tags(self, repo: str, pins: set[str] | None = None) -> _Tags:
+        """The repository's checkpoint tags and markers; others are skipped, with a
+        warning. ``pins`` receives the pinned checkpoints' tags (pins.py)."""
         try:
             names = list(self.client.list_tags(repo))
         except errors.NotFound:
             return []
+        if pins is not None:
+            pins |= pinned_bases(names)
         parsed: _Tags = []
         skipped: list[str] = []
         for name in names:
-            if is_signature_tag(name):
-                continue  # a checkpoint's signature (cosign.py), read with its manifest
+            if is_signature_tag(name) or parse_pin_tag(name) is not None:
+                continue  # a signature (cosign.py) or a pin (pins.py): read elsewhere
             tag = parse_tag(name)
             if tag is None:
                 skipped.append(name)

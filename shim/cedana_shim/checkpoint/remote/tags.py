@@ -16,6 +16,9 @@ in-flight marker ``<tag>.pending`` still fits the 128 a tag may have)::
   seconds they make the whole id, so the id is known from the tag list alone.
 * node hash: 8 hex digits of the sha256 of the pushing node's name.
 
+A checkpoint's pin (pins.py) is the tag ``p.`` + its tag without ``c.`` (same length),
+naming a small manifest of its own.
+
 Tags are read from the registry, so :func:`parse_tag` is strict and returns None for
 anything else (another tool's tag, or a hostile one): callers skip it with a warning.
 """
@@ -38,12 +41,15 @@ __all__ = [
     "CheckpointTag",
     "encode_label",
     "node_hash",
+    "parse_pin_tag",
     "parse_tag",
+    "pin_tag",
     "tag_for",
 ]
 
 PENDING_SUFFIX: Final = ".pending"
 _PREFIX: Final = "c."
+_PIN_PREFIX: Final = "p."
 _CREATED_FORMAT: Final = "%Y%m%dT%H%M%S%fZ"
 _CREATED_LEN: Final = 22
 _HEX_LEN: Final = 8
@@ -144,3 +150,16 @@ def parse_tag(tag: str) -> CheckpointTag | None:
         return None
     parsed = CheckpointTag(part, created, m["suffix"], m["node"], m["pending"] is not None)
     return parsed if parsed.tag == tag else None
+
+
+def pin_tag(tag: CheckpointTag) -> str:
+    """The tag of the checkpoint's pin in the registry (see the module doc)."""
+    return _PIN_PREFIX + tag.base.removeprefix(_PREFIX)
+
+
+def parse_pin_tag(tag: str) -> CheckpointTag | None:
+    """The checkpoint a pin tag pins; None when ``tag`` is not a pin tag."""
+    if not tag.startswith(_PIN_PREFIX):
+        return None
+    pinned = parse_tag(_PREFIX + tag.removeprefix(_PIN_PREFIX))
+    return pinned if pinned is not None and not pinned.pending else None

@@ -17,6 +17,7 @@ from .failures import FailureRecords, failed_last
 from .ingest import sweep_ingests
 from .layout import ANN_ID, ANN_PINNED, CheckpointRef, Descriptor, Index, check_checkpoint_id
 from .model import RepairReport
+from .pins import write_pins
 
 __all__ = ["Maintenance"]
 
@@ -45,8 +46,9 @@ class Maintenance:
     def pin(self, checkpoint_id: str, pinned: bool = True, *, by_policy: bool = False) -> None:
         """Exempt the checkpoint from retention and prune (``pinned``), or end that;
         ``by_policy`` marks the pin as a namespace policy's (node/policies.py).
-        Only its descriptor in index.json changes: its manifest and blobs stay as
-        they are, and a compaction carries the annotation over."""
+        Its descriptor in index.json changes, and pins.json (which a repair of the
+        index reads, pins.py): its manifest and blobs stay as they are, and a
+        compaction carries the annotation over."""
         if (why := check_checkpoint_id(checkpoint_id)) is not None:
             raise errors.InvalidArgument(why)
         try:
@@ -63,6 +65,7 @@ class Maintenance:
                     for d in index.descriptors
                 ]
                 self._core.write_index(index, descriptors)
+                write_pins(self._core.root_fd, descriptors)  # what a repair puts back
         except OSError as err:
             raise self._core.os_error(err, f"pinning {checkpoint_id} in {self._core.root}") from err
 

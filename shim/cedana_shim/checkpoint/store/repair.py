@@ -6,7 +6,9 @@ blobs/sha256: those that parse as ours and whose config, layer blobs (sizes)
 or raw files (sizes) check out. A checkpoint found both raw and compacted (a
 crash during compaction) is recovered compacted. The damaged file is kept
 aside as ``index.json.damaged-<UTC time>``. Entries of other tools sharing the
-layout cannot be recovered: only index.json knew them.
+layout cannot be recovered: only index.json knew them. Pins are not in the
+manifests (a pin changes no digest): the rebuild puts back those recorded in
+pins.json (pins.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .layout import (
     parse_manifest,
 )
 from .model import Entry, RepairReport
+from .pins import PINS, read_pins, with_pins
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -135,7 +138,8 @@ def rebuild(core: StoreCore, catalog: Catalog, reason: str) -> RepairReport:
         _candidates(core, catalog, dropped).values(), key=lambda f: (f[0].created_at, f[0].id)
     )
     damaged = _keep_damaged(core.root_fd)
-    core.write_index(Index((), (), {}), [ref.descriptor for ref, _ in found])
+    pins = read_pins(core.root_fd, core.path(PINS))
+    core.write_index(Index((), (), {}), [with_pins(ref.descriptor, pins) for ref, _ in found])
     return RepairReport(
         core.index_path,
         os.path.join(core.root, damaged) if damaged is not None else None,

@@ -144,6 +144,27 @@ async function act(what, call, after) {
   }
 }
 
+// Registry use: each blob counted once however many checkpoints share it.
+function registrySection(uses) {
+  const rows = [];
+  for (const r of uses) {
+    rows.push([h("b", {}, r.registry), "all you may see", r.checkpoints,
+      r.bytes === null ? h("span", { class: "bad" }, "unreadable") : bytes(r.bytes)]);
+    for (const n of r.namespaces) {
+      rows.push([r.registry, n.namespace, n.checkpoints, bytes(n.bytes)]);
+      for (const l of n.labels) {
+        rows.push([r.registry, `${n.namespace} / ${l.label}`, l.checkpoints, bytes(l.bytes)]);
+      }
+    }
+  }
+  const out = [h("h2", {}, "Registry use"), table(
+    "What each registry holds for your checkpoints (blobs shared by several counted once)",
+    ["Registry", "Namespace / label", "Checkpoints", "Bytes"], rows,
+    "No node pushes to a registry.")];
+  for (const r of uses) for (const e of r.errors) out.push(h("p", { class: "bad" }, e));
+  return h("section", { id: "registry-use" }, out);
+}
+
 async function clusterView() {
   const doc = await api("GET", "/api/v1/cluster");
   const view = $("#view");
@@ -155,6 +176,7 @@ async function clusterView() {
     h("div", { class: "card" }, h("b", {}, doc.checkpoints.length), "checkpoints"),
     h("div", { class: "card" }, h("b", {}, bytes(total)), "in stores"),
     h("div", { class: "card" }, h("b", {}, doc.failures.length), "recent failures")));
+  parts.push(registrySection(doc.registryUse || []));
   if (doc.nodes) {
     parts.push(h("h2", {}, "Nodes"));
     parts.push(table("Nodes with cedana", ["Node", "State", "Checkpoints", "Store use",
@@ -187,7 +209,8 @@ async function clusterView() {
         onclick: () => migrate(w.namespace, w.pod),
       }, "Migrate")),
   ]), "No pod in your namespaces opts in (CEDANA_CHECKPOINT or CEDANA_ENABLE)."));
-  parts.push(h("div", { id: "operation" }, lastOperation ? operationBox(lastOperation) : []));
+  const newest = lastOperation || (doc.operations || [])[0] || null;
+  parts.push(h("div", { id: "operation" }, newest ? operationBox(newest) : []));
   parts.push(h("h2", {}, "Checkpoints"));
   parts.push(table("Checkpoints in the namespaces you may see", CHECKPOINT_HEADERS,
     checkpointRows(doc.checkpoints, refresh), "No checkpoints yet."));
@@ -197,6 +220,10 @@ async function clusterView() {
     doc.failures.map((r) => [when(r.time), r.node, r.namespace, r.pod, r.kind, r.outcome,
       r.detail || (r.skipped || []).join("; ")]), "None lately."));
   view.replaceChildren(...parts);
+  if (!lastOperation && newest) {
+    lastOperation = newest;
+    if (newest.state === "running") follow(newest);
+  }
 }
 
 function timeline(doc) {
@@ -277,6 +304,14 @@ async function policiesSection(ns, refresh) {
     field("policy-interval", "Interval", "e.g. 10m: a checkpoint when the newest is older"),
     field("policy-retain", "Retain", "keep the newest N per label on each node"),
     field("policy-pin", "Pin latest", "pin the newest N per label"),
+    h("p", {},
+      h("label", { for: "policy-eviction" }, "Before eviction"), " ",
+      h("select", { id: "policy-eviction", name: "policy-eviction",
+        "aria-describedby": "policy-eviction-hint" },
+      h("option", { value: "" }, "as the node says"),
+      h("option", { value: "checkpoint" }, "checkpoint, in the registry before it exits")), " ",
+      h("span", { id: "policy-eviction-hint", class: "muted" },
+        "an evicted or drained pod resumes elsewhere from the registry")),
     h("button", { type: "submit" }, "Save policy"));
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
@@ -284,7 +319,7 @@ async function policiesSection(ns, refresh) {
     const name = v("policy-name");
     await act(`Saving policy ${name}`, () => api("POST", `/api/v1/namespaces/${ns}/policies/${name}`, {
       selector: v("policy-selector"), interval: v("policy-interval"), retain: v("policy-retain"),
-      pinLatest: v("policy-pin"),
+      pinLatest: v("policy-pin"), beforeEviction: v("policy-eviction"),
     }), refresh);
   });
   const edit = (p) => {
@@ -293,11 +328,12 @@ async function policiesSection(ns, refresh) {
     form.querySelector("#policy-interval").value = p.data.interval || "";
     form.querySelector("#policy-retain").value = p.data.retain || "";
     form.querySelector("#policy-pin").value = p.data.pinLatest || "";
+    form.querySelector("#policy-eviction").value = p.data.beforeEviction || "";
     form.querySelector("#policy-selector").focus();
   };
   const rows = doc.policies.map((p) => [
     p.name, p.data.selector || "(every pod)", p.data.interval || "", p.data.retain || "",
-    p.data.pinLatest || "", p.error ? h("span", { class: "bad" }, p.error) : p.covers.join(", ") || "nothing",
+    p.data.pinLatest || "", p.data.beforeEviction || "", p.error ? h("span", { class: "bad" }, p.error) : p.covers.join(", ") || "nothing",
     h("ul", { class: "applied" }, p.applied.map((a) => h("li", {},
       `${a.node}: `, a.error ? h("span", { class: "bad" }, a.error)
         : `${a.covered.length} covered; ${a.actions.slice(-3).join("; ") || "nothing to do yet"}`))),
@@ -313,7 +349,7 @@ async function policiesSection(ns, refresh) {
   ]);
   return h("div", {},
     table(`Policies of ${ns}`, ["Policy", "Selector", "Interval", "Retain", "Pin latest",
-      "Covers", "Applied", ""], rows, "No policy in this namespace."),
+      "Before eviction", "Covers", "Applied", ""], rows, "No policy in this namespace."),
     form);
 }
 
@@ -353,6 +389,15 @@ async function migrate(ns, pod) {
     say(`Migrating ${ns}/${pod} failed: ${err.message}`, true);
     return;
   }
+  await follow(op);
+}
+
+// Poll an operation until it ends, drawing its steps; after a reload of the page the
+// cluster view picks up the newest one (kept by the controller across its restarts).
+let following = null;
+async function follow(op) {
+  if (following === op.id) return;
+  following = op.id;
   const draw = (o) => {
     lastOperation = o;
     const box = $("#operation");
@@ -360,11 +405,13 @@ async function migrate(ns, pod) {
     say(`Migration of ${o.target}: ${o.state}`, o.state === "failed");
   };
   draw(op);
-  while (op.state === "running") {
+  while (op.state === "running" && following === op.id) {
     await new Promise((r) => setTimeout(r, 500));
     try { op = await api("GET", `/api/v1/operations/${op.id}`); } catch (err) { say(err.message, true); return; }
     draw(op);
   }
+  if (following !== op.id) return;
+  following = null;
   // The pod moved: show the cluster as it is now (the steps stay on the page).
   if ((location.hash || "#/cluster") === "#/cluster") await clusterView().catch(() => {});
   say(`Migration of ${op.target}: ${op.state}`, op.state === "failed");
