@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -20,11 +21,11 @@ import pytest
 from cedana_shim.checkpoint.remote import Outbox, RemoteCheckpoint, RemoteStore, sync
 from cedana_shim.checkpoint.remote.manifest import ARTIFACT_TYPE, MARKER_FRESH_S
 from cedana_shim.checkpoint.remote.tags import PENDING_SUFFIX, tag_for
-from cedana_shim.checkpoint.store import Store
-from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_MANIFEST
+from cedana_shim.checkpoint.store import Entry, Store
+from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_CRIU, MEDIA_TYPE_MANIFEST
 from cedana_shim.cli import admin
 from cedana_shim.errors import DataLoss, NotFound, ResourceExhausted, ShimError
-from cedana_shim.registry import RegistryConfig
+from cedana_shim.registry import PushResult, RegistryConfig
 from support.forged import RECORDED_TAR_BYTES, forge, push_forged, zstd_bomb
 
 from .harness.registry import Registry, TlsFiles, skopeo
@@ -223,6 +224,81 @@ def test_a_push_killed_half_way_is_resumed_by_sync(
     assert remote.in_flight(SCOPE, "trainer") == []  # the tag superseded it
     other = open_store(tmp_path / "store-b")
     other.reader.verify(remote_store(other, settings).pull(remote.candidates(SCOPE, "trainer")[0]))
+
+
+def _publish_raw(store: Store, files: dict[str, bytes]) -> Entry:
+    """A durable, raw checkpoint: what a stop commits; its push compacts it on the way."""
+    ingest = store.writer.begin(scope=SCOPE, label="trainer", metadata={"container": "t"})
+    images = Path(ingest.dir("criu"))
+    for name, data in files.items():
+        (images / name).write_bytes(data)
+    ingest.add_dir_layer("criu", str(images), MEDIA_TYPE_CRIU)
+    entry = store.writer.publish(ingest)
+    assert entry.state == "raw"
+    return entry
+
+
+class KillsTheRegistry(CountingClient):
+    """Kills the registry as the ``at``-th blob push starts (the others in flight)."""
+
+    def __init__(self, settings: RegistryConfig, registry: Registry, at: int, **kw: object):
+        super().__init__(settings, **kw)
+        self._registry, self._at, self._started = registry, at, 0
+        self._kill_lock = threading.Lock()
+
+    def push_blob(self, *args: object, **kw: object) -> PushResult:
+        with self._kill_lock:
+            self._started += 1
+            if self._started == self._at:
+                self._registry.kill()
+        return super().push_blob(*args, **kw)
+
+
+def test_a_registry_killed_mid_pipeline_leaves_no_tag_and_the_next_push_resumes(
+    tmp_path: Path, registry: Registry, settings: RegistryConfig
+) -> None:
+    """A raw checkpoint's push compresses and uploads at once; the registry dies while
+    chunks are going up and more are being compressed: nothing is tagged, the local
+    checkpoint is whole, and the next push sends only what the registry lacks."""
+    store = open_store(tmp_path / "store-p", chunk_size=256 << 10)
+    entry = _publish_raw(store, _files(os.urandom(PAGES)))
+    uploads = os.path.join(store.root, "outbox", "uploads")
+    remote = remote_store(store, settings)
+    remote.client = KillsTheRegistry(settings, registry, at=8, upload_state_dir=uploads)
+    with pytest.raises(ShimError):
+        remote.push(entry.id)
+    registry.start()
+    again = remote_store(store, settings)
+    assert again.candidates(SCOPE, "trainer") == []
+    store.reader.verify(store.catalog.get(entry.id))
+    again.push(entry.id)
+    pushes = _client(again).pushes
+    assert any(p.existed for p in pushes)  # what went up before the kill stays
+    stored = store.catalog.get(entry.id)
+    assert _client(again).sent < stored.size
+    (found,) = again.candidates(SCOPE, "trainer")
+    other = open_store(tmp_path / "store-b")
+    other.reader.verify(remote_store(other, settings).pull(found))
+
+
+def test_a_compression_failure_mid_pipeline_tags_nothing(
+    tmp_path: Path, settings: RegistryConfig
+) -> None:
+    """A raw file damaged since its commit (its CRC-32 no longer matches) fails the
+    compaction after its first chunks went up: no tag, no marker, the checkpoint stays
+    raw (and restorable as it is: the damage is reported, not hidden)."""
+    store = open_store(tmp_path / "store-c", chunk_size=256 << 10)
+    entry = _publish_raw(store, _files(os.urandom(PAGES)))
+    (pages,) = Path(store.root, "raw", entry.id).rglob("pages-1.img")
+    with pages.open("r+b") as handle:
+        handle.seek(PAGES - 10)
+        handle.write(b"damaged!")
+    remote = remote_store(store, settings)
+    with pytest.raises(DataLoss):
+        remote.push(entry.id)
+    tags = list(_client(remote).list_tags(f"cedana/{SCOPE}"))
+    assert tags == [], tags
+    assert store.catalog.get(entry.id).state == "raw"
 
 
 def test_the_in_flight_marker_is_visible_while_a_push_runs(
