@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from cedana_shim.checkpoint.remote import Outbox, RemoteCheckpoint, RemoteStore, sync
+from cedana_shim.checkpoint.remote.encryption import Encryption
 from cedana_shim.checkpoint.remote.manifest import ARTIFACT_TYPE, MARKER_FRESH_S
 from cedana_shim.checkpoint.remote.tags import PENDING_SUFFIX, tag_for
 from cedana_shim.checkpoint.store import Entry, Store
@@ -180,7 +181,9 @@ from cedana_shim.checkpoint.remote import RemoteStore
 from cedana_shim.checkpoint.store import Store, StoreConfig
 from cedana_shim.registry import RegistryClient, RegistryConfig
 
-root, registry, auth, ca, checkpoint_id, kill_at = sys.argv[1:]
+from cedana_shim.checkpoint.remote.encryption import Encryption
+
+root, registry, auth, ca, checkpoint_id, kill_at, *keys = sys.argv[1:]
 store = Store(StoreConfig(root=root, chunk_size=0))
 config = RegistryConfig(registry=registry, auth_file=auth, ca_file=ca, chunk_size=1 << 20)
 client = RegistryClient(config, upload_state_dir=os.path.join(root, "outbox", "uploads"))
@@ -189,7 +192,8 @@ def progress(done, total):
     if done >= int(kill_at):
         os.kill(os.getpid(), signal.SIGKILL)
 
-RemoteStore(store, client, "node-a.example").push(checkpoint_id, progress)
+encryption = Encryption.from_config(f"jwe:{keys[0]}", keys[1]) if keys else None
+RemoteStore(store, client, "node-a.example", encryption=encryption).push(checkpoint_id, progress)
 """
 
 
@@ -299,6 +303,49 @@ def test_a_compression_failure_mid_pipeline_tags_nothing(
     tags = list(_client(remote).list_tags(f"cedana/{SCOPE}"))
     assert tags == [], tags
     assert store.catalog.get(entry.id).state == "raw"
+
+
+def test_an_encrypted_push_killed_half_way_resumes_its_upload_by_content(
+    tmp_path: Path, settings: RegistryConfig
+) -> None:
+    """An encrypted chunk's digest is learned at its upload's commit, so its upload is
+    remembered under a key derived from the plain chunk: a new process with the same
+    keys encrypts the same bytes and resumes where the killed one stopped."""
+    private, public = tmp_path / "enc.key", tmp_path / "enc.pub"
+    subprocess.run(
+        ["openssl", "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256",
+         "-out", str(private)], check=True, capture_output=True,
+    )  # fmt: skip
+    private.chmod(0o600)
+    subprocess.run(
+        ["openssl", "pkey", "-in", str(private), "-pubout", "-out", str(public)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    store = open_store(tmp_path / "store-e", chunk_size=0)  # one 8 MiB blob: resumable
+    entry = commit_checkpoint(store, _files(os.urandom(PAGES)))
+    outbox = Outbox(store.root)
+    outbox.add(entry.id)
+    child = subprocess.run(
+        [
+            sys.executable, "-c", textwrap.dedent(_KILLED_PUSH), store.root, settings.registry,
+            settings.auth_file, settings.ca_file, entry.id, str(3 * MiB), str(public),
+            str(private),
+        ],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    remote = remote_store(store, settings)
+    remote.encryption = Encryption.from_config(f"jwe:{public}", str(private))
+    assert sync(remote, outbox).pushed == [entry.id]
+    layer = entry.layer("criu")
+    resumed = [p for p in _client(remote).pushes if not p.existed and p.resumed_from]
+    assert len(resumed) == 1 and resumed[0].resumed_from >= 2 * MiB
+    assert resumed[0].digest != layer.digest  # the encrypted blob, committed by content
+    assert _client(remote).sent <= layer.size - resumed[0].resumed_from + MiB
+    other = open_store(tmp_path / "store-b")
+    puller = remote_store(other, settings)
+    puller.encryption = Encryption.from_config("", str(private))
+    other.reader.verify(puller.pull(puller.candidates(SCOPE, "trainer")[0]))
 
 
 def test_the_in_flight_marker_is_visible_while_a_push_runs(
