@@ -207,6 +207,81 @@ def test_local_data_that_no_longer_matches_its_digest_is_never_committed(
     assert client.push_blob(REPO, blob.digest, blob.size, blob).sent == blob.size
 
 
+def test_a_push_by_content_learns_its_digest_at_the_commit(client: RegistryClient) -> None:
+    """One read of the source: hashed (and tapped) as it goes, committed as its hash."""
+    blob = Source(os.urandom(20 * MiB + 7))
+    tap = hashlib.sha512()
+    result = client.push_blob_by_content(REPO, "k1", blob.size, blob, tap=tap)
+    assert (result.existed, result.digest, result.sent) == (False, blob.digest, blob.size)
+    assert blob.read_bytes == blob.size
+    assert result.tap == hashlib.sha512(blob.data).digest()
+    assert client.blob_exists(REPO, blob.digest) == blob.size
+    assert _pull(client, REPO, blob) == blob.data
+
+
+def test_a_push_by_content_resumes_under_its_key_in_a_new_process(
+    registry: Registry, tls: TlsFiles, auth_file: Path, tmp_path: Path
+) -> None:
+    chunk = 1 * MiB
+    state_dir = tmp_path / "uploads"
+    blob = Source(os.urandom(6 * chunk + 5))
+
+    def fail_after_three_chunks(done: int) -> None:
+        if done == 3 * chunk:
+            raise Unavailable("the pushing process dies here")
+
+    first = _client(
+        registry, tls=tls, auth_file=auth_file, upload_state_dir=state_dir, chunk_size=chunk
+    )
+    with pytest.raises(Unavailable):
+        first.push_blob_by_content(REPO, "k2", blob.size, blob, fail_after_three_chunks)
+    assert client_has_nothing(first, blob)
+    second = _client(
+        registry, tls=tls, auth_file=auth_file, upload_state_dir=state_dir, chunk_size=chunk
+    )
+    tap = hashlib.sha512()
+    result = second.push_blob_by_content(REPO, "k2", blob.size, blob, tap=tap)
+    assert (result.resumed_from, result.sent) == (3 * chunk, blob.size - 3 * chunk)
+    # The resumed prefix is re-read locally: digest and tap cover the whole blob.
+    assert result.digest == blob.digest
+    assert result.tap == hashlib.sha512(blob.data).digest()
+    assert _pull(second, REPO, blob) == blob.data
+    assert list(state_dir.iterdir()) == []
+
+
+def test_a_push_by_content_whose_resumed_bytes_differ_is_refused_by_the_registry(
+    registry: Registry, tls: TlsFiles, auth_file: Path, tmp_path: Path
+) -> None:
+    """The digest named at the commit is the hash of what this process read; bytes the
+    registry holds from an earlier push that are not those are never committed."""
+    chunk = 1 * MiB
+    state_dir = tmp_path / "uploads"
+    blob = Source(os.urandom(4 * chunk))
+
+    def fail_after_two_chunks(done: int) -> None:
+        if done == 2 * chunk:
+            raise Unavailable("the pushing process dies here")
+
+    client = _client(
+        registry, tls=tls, auth_file=auth_file, upload_state_dir=state_dir, chunk_size=chunk
+    )
+    with pytest.raises(Unavailable):
+        client.push_blob_by_content(REPO, "k3", blob.size, blob, fail_after_two_chunks)
+    # The same key now gives other bytes in the part already sent.
+    other = Source(b"!" + blob.data[1:])
+    with pytest.raises(DataLoss, match="DIGEST_INVALID"):
+        client.push_blob_by_content(REPO, "k3", other.size, other)
+    assert client.blob_exists(REPO, other.digest) is None
+    assert client.blob_exists(REPO, blob.digest) is None
+    assert list(state_dir.iterdir()) == []  # the refused session is forgotten
+    result = client.push_blob_by_content(REPO, "k3", other.size, other)
+    assert (result.resumed_from, result.digest) == (0, other.digest)
+
+
+def client_has_nothing(client: RegistryClient, blob: Source) -> bool:
+    return client.blob_exists(REPO, blob.digest) is None
+
+
 def test_wrong_password_is_permission_denied_naming_registry_and_auth_file(
     registry: Registry, tls: TlsFiles, tmp_path: Path
 ) -> None:

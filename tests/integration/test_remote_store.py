@@ -12,19 +12,21 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from cedana_shim.checkpoint.remote import Outbox, RemoteCheckpoint, RemoteStore, sync
+from cedana_shim.checkpoint.remote.encryption import Encryption
 from cedana_shim.checkpoint.remote.manifest import ARTIFACT_TYPE, MARKER_FRESH_S
 from cedana_shim.checkpoint.remote.tags import PENDING_SUFFIX, tag_for
-from cedana_shim.checkpoint.store import Store
-from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_MANIFEST
+from cedana_shim.checkpoint.store import Entry, Store
+from cedana_shim.checkpoint.store.layout import MEDIA_TYPE_CRIU, MEDIA_TYPE_MANIFEST
 from cedana_shim.cli import admin
 from cedana_shim.errors import DataLoss, NotFound, ResourceExhausted, ShimError
-from cedana_shim.registry import RegistryConfig
+from cedana_shim.registry import PushResult, RegistryConfig
 from support.forged import RECORDED_TAR_BYTES, forge, push_forged, zstd_bomb
 
 from .harness.registry import Registry, TlsFiles, skopeo
@@ -179,7 +181,9 @@ from cedana_shim.checkpoint.remote import RemoteStore
 from cedana_shim.checkpoint.store import Store, StoreConfig
 from cedana_shim.registry import RegistryClient, RegistryConfig
 
-root, registry, auth, ca, checkpoint_id, kill_at = sys.argv[1:]
+from cedana_shim.checkpoint.remote.encryption import Encryption
+
+root, registry, auth, ca, checkpoint_id, kill_at, *keys = sys.argv[1:]
 store = Store(StoreConfig(root=root, chunk_size=0))
 config = RegistryConfig(registry=registry, auth_file=auth, ca_file=ca, chunk_size=1 << 20)
 client = RegistryClient(config, upload_state_dir=os.path.join(root, "outbox", "uploads"))
@@ -188,7 +192,8 @@ def progress(done, total):
     if done >= int(kill_at):
         os.kill(os.getpid(), signal.SIGKILL)
 
-RemoteStore(store, client, "node-a.example").push(checkpoint_id, progress)
+encryption = Encryption.from_config(f"jwe:{keys[0]}", keys[1]) if keys else None
+RemoteStore(store, client, "node-a.example", encryption=encryption).push(checkpoint_id, progress)
 """
 
 
@@ -223,6 +228,124 @@ def test_a_push_killed_half_way_is_resumed_by_sync(
     assert remote.in_flight(SCOPE, "trainer") == []  # the tag superseded it
     other = open_store(tmp_path / "store-b")
     other.reader.verify(remote_store(other, settings).pull(remote.candidates(SCOPE, "trainer")[0]))
+
+
+def _publish_raw(store: Store, files: dict[str, bytes]) -> Entry:
+    """A durable, raw checkpoint: what a stop commits; its push compacts it on the way."""
+    ingest = store.writer.begin(scope=SCOPE, label="trainer", metadata={"container": "t"})
+    images = Path(ingest.dir("criu"))
+    for name, data in files.items():
+        (images / name).write_bytes(data)
+    ingest.add_dir_layer("criu", str(images), MEDIA_TYPE_CRIU)
+    entry = store.writer.publish(ingest)
+    assert entry.state == "raw"
+    return entry
+
+
+class KillsTheRegistry(CountingClient):
+    """Kills the registry as the ``at``-th blob push starts (the others in flight)."""
+
+    def __init__(self, settings: RegistryConfig, registry: Registry, at: int, **kw: object):
+        super().__init__(settings, **kw)
+        self._registry, self._at, self._started = registry, at, 0
+        self._kill_lock = threading.Lock()
+
+    def push_blob(self, *args: object, **kw: object) -> PushResult:
+        with self._kill_lock:
+            self._started += 1
+            if self._started == self._at:
+                self._registry.kill()
+        return super().push_blob(*args, **kw)
+
+
+def test_a_registry_killed_mid_pipeline_leaves_no_tag_and_the_next_push_resumes(
+    tmp_path: Path, registry: Registry, settings: RegistryConfig
+) -> None:
+    """A raw checkpoint's push compresses and uploads at once; the registry dies while
+    chunks are going up and more are being compressed: nothing is tagged, the local
+    checkpoint is whole, and the next push sends only what the registry lacks."""
+    store = open_store(tmp_path / "store-p", chunk_size=256 << 10)
+    entry = _publish_raw(store, _files(os.urandom(PAGES)))
+    uploads = os.path.join(store.root, "outbox", "uploads")
+    remote = remote_store(store, settings)
+    remote.client = KillsTheRegistry(settings, registry, at=8, upload_state_dir=uploads)
+    with pytest.raises(ShimError):
+        remote.push(entry.id)
+    registry.start()
+    again = remote_store(store, settings)
+    assert again.candidates(SCOPE, "trainer") == []
+    store.reader.verify(store.catalog.get(entry.id))
+    again.push(entry.id)
+    pushes = _client(again).pushes
+    assert any(p.existed for p in pushes)  # what went up before the kill stays
+    stored = store.catalog.get(entry.id)
+    assert _client(again).sent < stored.size
+    (found,) = again.candidates(SCOPE, "trainer")
+    other = open_store(tmp_path / "store-b")
+    other.reader.verify(remote_store(other, settings).pull(found))
+
+
+def test_a_compression_failure_mid_pipeline_tags_nothing(
+    tmp_path: Path, settings: RegistryConfig
+) -> None:
+    """A raw file damaged since its commit (its CRC-32 no longer matches) fails the
+    compaction after its first chunks went up: no tag, no marker, the checkpoint stays
+    raw (and restorable as it is: the damage is reported, not hidden)."""
+    store = open_store(tmp_path / "store-c", chunk_size=256 << 10)
+    entry = _publish_raw(store, _files(os.urandom(PAGES)))
+    (pages,) = Path(store.root, "raw", entry.id).rglob("pages-1.img")
+    with pages.open("r+b") as handle:
+        handle.seek(PAGES - 10)
+        handle.write(b"damaged!")
+    remote = remote_store(store, settings)
+    with pytest.raises(DataLoss):
+        remote.push(entry.id)
+    tags = list(_client(remote).list_tags(f"cedana/{SCOPE}"))
+    assert tags == [], tags
+    assert store.catalog.get(entry.id).state == "raw"
+
+
+def test_an_encrypted_push_killed_half_way_resumes_its_upload_by_content(
+    tmp_path: Path, settings: RegistryConfig
+) -> None:
+    """An encrypted chunk's digest is learned at its upload's commit, so its upload is
+    remembered under a key derived from the plain chunk: a new process with the same
+    keys encrypts the same bytes and resumes where the killed one stopped."""
+    private, public = tmp_path / "enc.key", tmp_path / "enc.pub"
+    subprocess.run(
+        ["openssl", "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256",
+         "-out", str(private)], check=True, capture_output=True,
+    )  # fmt: skip
+    private.chmod(0o600)
+    subprocess.run(
+        ["openssl", "pkey", "-in", str(private), "-pubout", "-out", str(public)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    store = open_store(tmp_path / "store-e", chunk_size=0)  # one 8 MiB blob: resumable
+    entry = commit_checkpoint(store, _files(os.urandom(PAGES)))
+    outbox = Outbox(store.root)
+    outbox.add(entry.id)
+    child = subprocess.run(
+        [
+            sys.executable, "-c", textwrap.dedent(_KILLED_PUSH), store.root, settings.registry,
+            settings.auth_file, settings.ca_file, entry.id, str(3 * MiB), str(public),
+            str(private),
+        ],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    remote = remote_store(store, settings)
+    remote.encryption = Encryption.from_config(f"jwe:{public}", str(private))
+    assert sync(remote, outbox).pushed == [entry.id]
+    layer = entry.layer("criu")
+    resumed = [p for p in _client(remote).pushes if not p.existed and p.resumed_from]
+    assert len(resumed) == 1 and resumed[0].resumed_from >= 2 * MiB
+    assert resumed[0].digest != layer.digest  # the encrypted blob, committed by content
+    assert _client(remote).sent <= layer.size - resumed[0].resumed_from + MiB
+    other = open_store(tmp_path / "store-b")
+    puller = remote_store(other, settings)
+    puller.encryption = Encryption.from_config("", str(private))
+    other.reader.verify(puller.pull(puller.candidates(SCOPE, "trainer")[0]))
 
 
 def test_the_in_flight_marker_is_visible_while_a_push_runs(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import filecmp
+import hashlib
+import hmac
 import io
 import json
 import os
@@ -20,7 +22,11 @@ from typing import Any
 import pytest
 import zstandard
 from cedana_shim.checkpoint.remote import RemoteStore
-from cedana_shim.checkpoint.remote.encryption import Encryption, decrypt_manifest
+from cedana_shim.checkpoint.remote.encryption import (
+    EncryptedLayer,
+    Encryption,
+    decrypt_manifest,
+)
 from cedana_shim.checkpoint.remote.ocicrypt import (
     ANN_KEYS_JWE,
     ANN_PUBOPTS,
@@ -50,6 +56,11 @@ class SendCounter(SharedDirectory):
 
     def push_blob(self, repo: str, digest: str, size: int, *args: Any, **kw: Any) -> Any:
         result = super().push_blob(repo, digest, size, *args, **kw)
+        self.sent += result.sent
+        return result
+
+    def push_blob_by_content(self, *args: Any, **kw: Any) -> Any:
+        result = super().push_blob_by_content(*args, **kw)
         self.sent += result.sent
         return result
 
@@ -167,6 +178,75 @@ def test_a_tenth_rewritten_still_uploads_little_and_dedupes_across_nodes(
     third = commit_checkpoint(b.store, _files(bytes(pages)))
     b.push(third.id)
     assert isinstance(b.client, SendCounter) and b.client.sent <= 0.15 * first_sent
+
+
+class CountingSource:
+    """``open_at`` over bytes, counting the bytes read."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.read = 0
+
+    def __call__(self, offset: int) -> io.BytesIO:
+        source = self
+
+        class Stream(io.BytesIO):
+            def read(self, size: int | None = -1) -> bytes:
+                block = super().read(size)
+                source.read += len(block)
+                return block
+
+        return Stream(self.data[offset:])
+
+
+def test_a_new_chunk_is_read_and_encrypted_once_its_digest_and_hmac_from_that_pass(
+    tmp_path: Path, shared: Path
+) -> None:
+    """No pass ahead of the upload to learn the encrypted digest: it is the hash of
+    what was sent; the HMAC is of the same bytes. A chunk the node knows goes by its
+    digest: the registry has it, nothing is read."""
+    private, public = write_key_pair(tmp_path, "real", "ec")
+    cipher = Encryption.from_config(f"jwe:{public}", str(private)).for_push(SCOPE, "l")
+    assert cipher is not None
+    client = SharedDirectory(str(shared))
+    plain = os.urandom(3 * MiB + 5)
+    digest = "sha256:" + hashlib.sha256(plain).hexdigest()
+    source = CountingSource(plain)
+    result = cipher.push(client, "ns", digest, len(plain), source, None)
+    assert source.read == len(plain)
+    key, nonce = cipher._derive(b"key", digest), cipher._derive(b"nonce", digest)[:16]
+    encrypted = cipher_stream(io.BytesIO(plain), key, nonce).read()
+    assert result.digest == "sha256:" + hashlib.sha256(encrypted).hexdigest()
+    assert result.tap == hmac.new(key, encrypted, "sha256").digest()
+    again = CountingSource(plain)
+    assert cipher.push(client, "ns", digest, len(plain), again, None).existed
+    assert again.read == 0
+    layer = json.loads(cipher.manifest(_one_layer(digest, len(plain)), "m"))["layers"][0]
+    assert layer["digest"] == result.digest
+
+
+def test_layers_of_another_secret_in_the_registry_are_not_taken_as_ours(
+    tmp_path: Path, shared: Path
+) -> None:
+    """What the label's newest checkpoint says is used only for the chunks whose key is
+    the one this push derives (a rotation starts new keys, and a blob is never named by
+    what someone else encrypted)."""
+    private, public = write_key_pair(tmp_path, "real", "ec")
+    plain = os.urandom(MiB)
+    digest = "sha256:" + hashlib.sha256(plain).hexdigest()
+    foreign = EncryptedLayer("sha256:" + "0" * 64, LayerKey(b"k" * 32, b"n" * 16, b"", digest))
+    encryption = Encryption.from_config(f"jwe:{public}", str(private))
+    cipher = encryption.for_push(SCOPE, "l", lambda: {digest: foreign})
+    assert cipher is not None
+    result = cipher.push(
+        SharedDirectory(str(shared)), "ns", digest, MiB, CountingSource(plain), None
+    )
+    assert not result.existed and result.digest != foreign.digest
+
+
+def _one_layer(digest: str, size: int) -> bytes:
+    layer = {"mediaType": "application/vnd.cedana.criu.v1.tar+zstd", "digest": digest, "size": size}
+    return json.dumps({"schemaVersion": 2, "layers": [layer]}).encode()
 
 
 def test_chunk_keys_need_a_recipients_private_key_not_only_what_the_registry_shows(

@@ -16,7 +16,7 @@ from .client import (
 )
 from .credentials import Credentials, load_credentials
 from .protocol import Registry
-from .push import BLOCK_SIZE, OpenSource, ProgressCallback, PushResult
+from .push import BLOCK_SIZE, OpenSource, ProgressCallback, PushResult, Tap
 from .reference import (
     RegistryLocation,
     check_digest,
@@ -40,6 +40,7 @@ __all__ = [
     "RegistryClient",
     "RegistryConfig",
     "RegistryLocation",
+    "Tap",
     "check_digest",
     "check_ref",
     "check_repository",

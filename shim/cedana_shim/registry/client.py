@@ -22,7 +22,15 @@ from cedana_shim.errors import DataLoss, InvalidArgument
 from .auth import scope_for
 from .credentials import load_credentials
 from .headers import next_link
-from .push import BLOCK_SIZE, BlobPush, OpenSource, ProgressCallback, PushResult
+from .push import (
+    BLOCK_SIZE,
+    BlobPush,
+    OpenSource,
+    ProgressCallback,
+    PushResult,
+    Tap,
+    by_content_key,
+)
 from .reference import (
     RegistryLocation,
     check_digest,
@@ -188,6 +196,38 @@ class RegistryClient:
             open_source=open_source,
             chunk_size=self._chunk_size,
             progress=progress,
+        )
+        return push.run()
+
+    def push_blob_by_content(
+        self,
+        repo: str,
+        key: str,
+        size: int,
+        open_source: OpenSource,
+        progress: ProgressCallback | None = None,
+        tap: Tap | None = None,
+    ) -> PushResult:
+        """Upload a blob whose digest is learned as it streams (push.py's module doc):
+        the bytes are read once, hashed (and fed to ``tap``) as they go, and committed
+        under their sha256, which the result gives. ``key`` names the content (the same
+        key, the same bytes): an interrupted push of it resumes under that key. No
+        lookup first: the caller knows the registry lacks it, or cannot ask.
+        """
+        check_repository(repo)
+        if size < 0:
+            raise InvalidArgument(f"blob by content {key}: negative size {size}")
+        push = BlobPush(
+            self._http,
+            self._uploads,
+            repo=repo,
+            digest=None,
+            size=size,
+            open_source=open_source,
+            chunk_size=self._chunk_size,
+            progress=progress,
+            session_key=by_content_key(key),
+            tap=tap,
         )
         return push.run()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import IO, Protocol
 
-from .push import OpenSource, ProgressCallback, PushResult
+from .push import OpenSource, ProgressCallback, PushResult, Tap
 
 __all__ = ["Registry"]
 
@@ -33,6 +33,18 @@ class Registry(Protocol):
         open_source: OpenSource,
         progress: ProgressCallback | None = None,
     ) -> PushResult: ...
+
+    def push_blob_by_content(
+        self,
+        repo: str,
+        key: str,
+        size: int,
+        open_source: OpenSource,
+        progress: ProgressCallback | None = None,
+        tap: Tap | None = None,
+    ) -> PushResult:
+        """A blob whose digest is learned as it is sent (``PushResult.digest``)."""
+        ...
 
     def pull_blob(
         self,

@@ -10,6 +10,15 @@ in flight is sent twice. The bytes already at the registry are re-read locally, 
 re-sent, to carry the sha256 over; the digest is checked before the commit, so a
 source that changed underneath is never committed under the wrong name.
 
+A blob whose digest is not known before it is sent (an encrypted layer: its
+ciphertext is made while it streams) is pushed "by content": the digest is the hash
+of what was sent, learned at the end and named by the commit (``PUT ?digest=``, as the
+spec allows), so the bytes are produced once; the registry checks that what it holds
+hashes to it and refuses the commit otherwise. Its session is remembered under a key
+the caller chooses (one that names the content: the same key must mean the same
+bytes), and a ``tap`` (e.g. an HMAC) sees the same bytes as the sha256, resumed
+prefix included.
+
 A registry may drop a session it cannot resume (distribution 2.x discards one whose
 stored size differs from the session's signed offset, e.g. after being killed in the
 middle of a PATCH): the push then starts a new session, which is correct, only slower.
@@ -21,7 +30,7 @@ import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Final
+from typing import IO, TYPE_CHECKING, Final, Protocol
 
 from cedana_shim import errors
 from cedana_shim.errors import DataLoss, ShimError
@@ -34,13 +43,29 @@ from .uploads import UploadState, UploadStates
 if TYPE_CHECKING:
     from hashlib import _Hash
 
-__all__ = ["BLOCK_SIZE", "BlobPush", "OpenSource", "ProgressCallback", "PushResult"]
+__all__ = [
+    "BLOCK_SIZE",
+    "BlobPush",
+    "OpenSource",
+    "ProgressCallback",
+    "PushResult",
+    "Tap",
+    "by_content_key",
+]
 
 logger = logging.getLogger(__name__)
 
 BLOCK_SIZE: Final = 1 << 20  # the unit read from a source and handed to the socket
 OpenSource = Callable[[int], IO[bytes]]  # offset -> a stream positioned there
 ProgressCallback = Callable[[int], None]  # bytes of the blob the registry holds so far
+
+
+class Tap(Protocol):
+    """A hash fed the blob's bytes beside its sha256 (hashlib's or hmac's objects)."""
+
+    def update(self, data: bytes, /) -> None: ...
+    def copy(self) -> Tap: ...
+    def digest(self) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -50,6 +75,29 @@ class PushResult:
     existed: bool  # the registry had the blob already: nothing sent
     resumed_from: int  # bytes an earlier, interrupted push had left at the registry
     sent: int
+    digest: str = ""  # what the blob was committed as ("" when it existed)
+    tap: bytes = b""  # the tap's digest over the whole blob (a push by content)
+
+
+def by_content_key(key: str) -> str:
+    """The upload-state key of a push by content (never a digest's spelling)."""
+    return "by-content:" + key
+
+
+class _Hashes:
+    """The blob's sha256 and the caller's tap, fed the same bytes."""
+
+    def __init__(self, sha: _Hash, tap: Tap | None) -> None:
+        self.sha = sha
+        self.tap = tap
+
+    def update(self, block: bytes) -> None:
+        self.sha.update(block)
+        if self.tap is not None:
+            self.tap.update(block)
+
+    def copy(self) -> _Hashes:
+        return _Hashes(self.sha.copy(), self.tap.copy() if self.tap is not None else None)
 
 
 class BlobPush:
@@ -61,28 +109,36 @@ class BlobPush:
         uploads: UploadStates,
         *,
         repo: str,
-        digest: str,
+        digest: str | None,
         size: int,
         open_source: OpenSource,
         chunk_size: int,
         progress: ProgressCallback | None,
+        session_key: str | None = None,
+        tap: Tap | None = None,
     ) -> None:
+        """``digest`` None: a push by content (the module doc), its upload state kept
+        under ``session_key``; ``tap`` is fed the blob's bytes as the sha256 is."""
+        if digest is None and session_key is None:
+            raise errors.Internal("a push by content needs the key of its upload state")
         self._http = http
         self._uploads = uploads
         self._repo = repo
         self._digest = digest
+        self._key = session_key if session_key is not None else str(digest)
+        self._tap = tap
         self._size = size
         self._open_source = open_source
         self._chunk_size = chunk_size
         self._progress = progress
         self._scopes = (scope_for(repo, ("pull", "push")),)
-        self._what = f"push of blob {digest} to {repo}"
+        self._what = f"push of blob {digest or 'by content'} to {repo}"
         self._sent = 0
 
     def run(self) -> PushResult:
         location, offset = self._resume_or_start()
         resumed_from = offset
-        hasher = hashlib.sha256()
+        hasher = _Hashes(hashlib.sha256(), self._tap)
         for _ in self._source_blocks(0, offset, hasher):
             pass  # the bytes the registry holds: hash them, do not send them again
         if self._progress is not None and offset:
@@ -91,29 +147,33 @@ class BlobPush:
             length = min(self._chunk_size, self._size - offset)
             location, hasher = self._send_chunk(location, offset, length, hasher)
             offset += length
-            self._uploads.put(self._repo, self._digest, UploadState(location, offset))
+            self._uploads.put(self._repo, self._key, UploadState(location, offset))
             if self._progress is not None:
                 self._progress(offset)
-        actual = "sha256:" + hasher.hexdigest()
-        if actual != self._digest:
+        actual = "sha256:" + hasher.sha.hexdigest()
+        if self._digest is not None and actual != self._digest:
             self._cancel(location)
             raise DataLoss(
                 f"registry {self._http.host}: {self._what}: the local data hashes to {actual}: "
                 "it changed or is damaged since it was written; nothing was committed"
             )
-        self._commit(location)
-        return PushResult(existed=False, resumed_from=resumed_from, sent=self._sent)
+        # By content, the registry checks the bytes it holds against this digest.
+        self._commit(location, actual)
+        tap = hasher.tap.digest() if hasher.tap is not None else b""
+        return PushResult(
+            existed=False, resumed_from=resumed_from, sent=self._sent, digest=actual, tap=tap
+        )
 
     def _resume_or_start(self) -> tuple[str, int]:
-        state = self._uploads.get(self._repo, self._digest)
+        state = self._uploads.get(self._repo, self._key)
         if state is not None:
             resumed = self._upload_status(state)
             if resumed is not None:
                 logger.info("%s: resuming at byte %d of %d", self._what, resumed[1], self._size)
                 return resumed
-            self._uploads.drop(self._repo, self._digest)
+            self._uploads.drop(self._repo, self._key)
         location = self._start()
-        self._uploads.put(self._repo, self._digest, UploadState(location, 0))
+        self._uploads.put(self._repo, self._key, UploadState(location, 0))
         return location, 0
 
     def _start(self) -> str:
@@ -148,9 +208,9 @@ class BlobPush:
         return location, offset
 
     def _send_chunk(
-        self, location: str, offset: int, length: int, hasher: _Hash
-    ) -> tuple[str, _Hash]:
-        attempts: list[_Hash] = []
+        self, location: str, offset: int, length: int, hasher: _Hashes
+    ) -> tuple[str, _Hashes]:
+        attempts: list[_Hashes] = []
 
         def body() -> Iterator[bytes]:
             attempt = hasher.copy()  # a retried attempt hashes the same bytes afresh
@@ -165,7 +225,7 @@ class BlobPush:
         response = self._request("PATCH", location, headers, body)
         if response.status != 202:
             if response.status in (400, 404, 416):
-                self._uploads.drop(self._repo, self._digest)
+                self._uploads.drop(self._repo, self._key)
             self._http.fail(response, self._what)
         acknowledged = response.headers.get("Range")
         next_location = self._location(response, location)
@@ -177,24 +237,26 @@ class BlobPush:
             )
         return next_location, attempts[-1]
 
-    def _commit(self, location: str) -> None:
-        url = location + ("&" if "?" in location else "?") + f"digest={self._digest}"
+    def _commit(self, location: str, digest: str) -> None:
+        url = location + ("&" if "?" in location else "?") + f"digest={digest}"
         response = self._request("PUT", url, {"Content-Length": "0"})
         if response.status != 201:
             if response.status in (400, 404):
-                self._uploads.drop(self._repo, self._digest)
-            self._http.fail(response, self._what)
+                # Refused (DIGEST_INVALID: what it holds is not what we hashed) or
+                # gone: the next push starts a new session.
+                self._uploads.drop(self._repo, self._key)
+            self._http.fail(response, f"{self._what} (commit as {digest})")
         stored = response.headers.get("Docker-Content-Digest")
         release(response)
-        self._uploads.drop(self._repo, self._digest)
-        if stored is not None and stored != self._digest:
+        self._uploads.drop(self._repo, self._key)
+        if stored is not None and stored != digest:
             raise DataLoss(
                 f"registry {self._http.host}: {self._what}: the registry stored it as {stored}"
             )
 
     def _cancel(self, location: str) -> None:
         """Abandon the session (best effort: the registry purges stale ones anyway)."""
-        self._uploads.drop(self._repo, self._digest)
+        self._uploads.drop(self._repo, self._key)
         try:
             release(self._request("DELETE", location, {}))
         except ShimError as err:
@@ -222,7 +284,7 @@ class BlobPush:
         return self._http.resolve(base, location, self._what)
 
     def _source_blocks(
-        self, offset: int, length: int, hasher: _Hash, *, count_sent: bool = False
+        self, offset: int, length: int, hasher: _Hashes, *, count_sent: bool = False
     ) -> Iterator[bytes]:
         """``length`` bytes of the source from ``offset``, hashed, in bounded blocks."""
         if length == 0:

@@ -57,6 +57,12 @@ class CountingClient(RegistryClient):
             self.pushes.append(result)
         return result
 
+    def push_blob_by_content(self, *args: Any, **kw: Any) -> PushResult:
+        result = super().push_blob_by_content(*args, **kw)
+        with self._count_lock:
+            self.pushes.append(result)
+        return result
+
     def pull_blob(self, repo: str, digest: str, *args: Any, **kw: Any) -> None:
         with self._count_lock:
             self.pulled.append(digest)

@@ -16,8 +16,10 @@ derived from the namespace, the label, the fingerprints of the namespace's recip
 and the private key of one of them (in ``decryption_keys``): everything else is
 readable in the registry, so without that private key anyone could derive the keys.
 Every node with the same keys derives the same secret, so a checkpoint pushed after a
-move still shares the chunks of the one before; a node holding no recipient's private
-key encrypts its push under fresh random keys (no dedupe). What it reveals (README,
+move still shares the chunks of the one before (the node learns their encrypted
+digests from the label's newest checkpoint in the registry: PushCipher); a node
+holding no recipient's private key encrypts its push under fresh random keys (no
+dedupe). What it reveals (README,
 "Signed and encrypted checkpoints"): that two checkpoints of one label hold an
 identical chunk (the dedupe itself). A new recipient set (key rotation) starts new
 keys: the first push after it uploads every chunk once.
@@ -31,12 +33,13 @@ import logging
 import re
 import secrets
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Final
 
 from cedana_shim import errors
 from cedana_shim.checkpoint.store.layout import dump_json, load_json
+from cedana_shim.registry import ProgressCallback, PushResult, Registry
 
 from .keys import load_private_key, load_public_key, split_paths
 from .ocicrypt import (
@@ -56,12 +59,18 @@ if TYPE_CHECKING:
         PublicKeyTypes,
     )
 
-__all__ = ["EncryptedLayer", "Encryption", "PushCipher", "decrypt_manifest", "has_encrypted"]
+__all__ = [
+    "Earlier",
+    "EncryptedLayer",
+    "Encryption",
+    "PushCipher",
+    "decrypt_manifest",
+    "has_encrypted",
+]
 
-_BLOCK: Final = 1 << 20
 # Encrypted chunks remembered by a node (their digest and HMAC): a second checkpoint's
-# unchanged chunks skip the encryption pass that finds their digest (the registry has
-# them). About 200 bytes each: 64 Ki of them are 8 TiB of chunks at 8 MiB.
+# unchanged chunks are looked up by that digest instead of sent again. About 200 bytes
+# each: 64 Ki of them are 8 TiB of chunks at 8 MiB.
 _KNOWN_MAX: Final = 1 << 16
 _NAMESPACE_RE: Final = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _KDF_CONTEXT: Final = b"cedana-shim checkpoint layer keys v2"
@@ -136,8 +145,10 @@ class Encryption:
     def recipients(self, scope: str) -> tuple[Recipient, ...]:
         return self._recipients.get(scope) or self._recipients.get(None) or ()
 
-    def for_push(self, scope: str, label: str) -> PushCipher | None:
-        """What encrypts a push of (scope, label); None when it has no recipient."""
+    def for_push(self, scope: str, label: str, earlier: Earlier | None = None) -> PushCipher | None:
+        """What encrypts a push of (scope, label); None when it has no recipient.
+        ``earlier``: the label's previous checkpoint's layers, read on the first chunk
+        this node does not know."""
         recipients = self.recipients(scope)
         if not recipients:
             return None
@@ -151,6 +162,7 @@ class Encryption:
         if own:
             hidden = hashlib.sha256(_private_der(own[0][1])).digest()
         else:
+            earlier = None  # fresh keys: nothing earlier was encrypted under them
             log.warning(
                 "encrypted push without a recipient's private key in decryption_keys: its "
                 "chunks get fresh keys and share nothing with earlier checkpoints",
@@ -160,7 +172,8 @@ class Encryption:
         material = b"\0".join(
             [_KDF_CONTEXT, scope.encode(), label.encode(), *(k.encode() for k in kids)]
         )
-        return PushCipher(recipients, hmac.new(hidden, material, "sha256").digest(), self._known)
+        secret = hmac.new(hidden, material, "sha256").digest()
+        return PushCipher(recipients, secret, self._known, earlier)
 
 
 def _private_der(key: PrivateKeyTypes) -> bytes:
@@ -187,40 +200,90 @@ class _Known:
     def put(self, secret: bytes, digest: str, layer: EncryptedLayer) -> None:
         with self._lock:
             if len(self._layers) >= _KNOWN_MAX:
-                self._layers.clear()  # rare, and only costs an encryption pass each
+                self._layers.clear()  # rare, and only costs an upload of each again
             self._layers[(secret, digest)] = layer
 
 
-class PushCipher:
-    """Encrypts the layers of one push; safe to share between the sender's threads."""
+# Plain digest -> the encrypted layer, read from the newest checkpoint of the label
+# in the registry (decrypt_manifest): what a node that did not push it learns.
+Earlier = Callable[[], Mapping[str, EncryptedLayer]]
 
-    def __init__(self, recipients: Sequence[Recipient], secret: bytes, known: _Known) -> None:
+
+class PushCipher:
+    """Encrypts and sends the layers of one push; safe to share between the sender's
+    threads.
+
+    One pass per new chunk: a chunk whose encrypted blob this node knows (it pushed it,
+    or read it in the label's previous checkpoint: ``earlier``) is looked up in the
+    registry by that digest and skipped when there; any other is encrypted as it
+    streams and committed under the digest of what was sent, its HMAC taken from the
+    same bytes (registry.push's "push by content"). Its upload resumes under a key
+    derived from the secret and the plain digest, which fixes the ciphertext.
+    """
+
+    def __init__(
+        self,
+        recipients: Sequence[Recipient],
+        secret: bytes,
+        known: _Known,
+        earlier: Earlier | None = None,
+    ) -> None:
         self._recipients = [(r.kid, r.key) for r in recipients]
         self._secret = secret
         self._known = known
+        self._earlier = earlier
+        self._earlier_lock = threading.Lock()  # read once, by the first thread to miss
         self._lock = threading.Lock()
         self._layers: dict[str, EncryptedLayer] = {}
 
     def _derive(self, what: bytes, plain_digest: str) -> bytes:
         return hmac.new(self._secret, what + b"\0" + plain_digest.encode(), "sha256").digest()
 
-    def prepare(self, digest: str, size: int, open_at: OpenSource) -> tuple[str, OpenSource]:
-        """The encrypted blob of plain blob ``digest``: its digest, and its source."""
+    def push(
+        self,
+        client: Registry,
+        repo: str,
+        digest: str,
+        size: int,
+        open_at: OpenSource,
+        progress: ProgressCallback | None,
+    ) -> PushResult:
+        """Send plain blob ``digest`` encrypted (see the class doc)."""
         key = self._derive(b"key", digest)
         nonce = self._derive(b"nonce", digest)[:16]
-        # A blob changed since it was remembered is caught by the upload, which hashes
-        # what it sends and refuses to commit it under the wrong digest.
-        known = self._known.get(self._secret, digest)
-        if known is None:
-            known = _encrypt_once(digest, size, open_at, key, nonce)
-            self._known.put(self._secret, digest, known)
-        with self._lock:
-            self._layers[digest] = known
 
         def open_encrypted(offset: int) -> IO[bytes]:
             return cipher_stream(open_at(offset), key, nonce, offset)
 
-        return known.digest, open_encrypted
+        known = self._known.get(self._secret, digest) or self._from_earlier(digest, key)
+        if known is not None:
+            # A blob changed since it was remembered is caught by the upload, which
+            # hashes what it sends and refuses to commit it under the wrong digest.
+            self._remember(digest, known)
+            return client.push_blob(repo, known.digest, size, open_encrypted, progress)
+        upload_key = self._derive(b"upload", digest).hex()
+        mac = hmac.new(key, digestmod="sha256")
+        result = client.push_blob_by_content(repo, upload_key, size, open_encrypted, progress, mac)
+        layer = EncryptedLayer(result.digest, LayerKey(key, nonce, result.tap, digest))
+        self._known.put(self._secret, digest, layer)
+        self._remember(digest, layer)
+        return result
+
+    def _remember(self, digest: str, layer: EncryptedLayer) -> None:
+        with self._lock:
+            self._layers[digest] = layer
+
+    def _from_earlier(self, digest: str, key: bytes) -> EncryptedLayer | None:
+        """The layer as the label's previous checkpoint holds it, under our keys."""
+        with self._earlier_lock:
+            earlier, self._earlier = self._earlier, None
+            if earlier is not None:
+                for plain, layer in earlier().items():
+                    # Only what our secret encrypted (a rotation starts new keys).
+                    if layer.key.key == self._derive(b"key", plain):
+                        self._known.put(self._secret, plain, layer)
+        found = self._known.get(self._secret, digest)
+        return found if found is not None and found.key.key == key else None
 
     def manifest(self, data: bytes, where: str) -> bytes:
         """The registry manifest ``data`` with every layer's descriptor encrypted."""
@@ -234,23 +297,6 @@ class PushCipher:
             layers.append(encrypted_descriptor(item, layer.key, layer.digest, self._recipients))
         document["layers"] = layers
         return dump_json(document)
-
-
-def _encrypt_once(
-    digest: str, size: int, open_at: OpenSource, key: bytes, nonce: bytes
-) -> EncryptedLayer:
-    """One pass over the plain blob: the ciphertext's digest and HMAC."""
-    sha = hashlib.sha256()
-    mac = hmac.new(key, digestmod="sha256")
-    done = 0
-    with cipher_stream(open_at(0), key, nonce) as stream:
-        while block := stream.read(_BLOCK):
-            sha.update(block)
-            mac.update(block)
-            done += len(block)
-    if done != size:
-        raise errors.DataLoss(f"blob {digest}: {done} bytes where {size} were recorded")
-    return EncryptedLayer("sha256:" + sha.hexdigest(), LayerKey(key, nonce, mac.digest(), digest))
 
 
 def has_encrypted(data: bytes, where: str) -> bool:

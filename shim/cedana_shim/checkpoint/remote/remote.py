@@ -36,7 +36,7 @@ from cedana_shim.checkpoint.store.layout import (
 from cedana_shim.registry import Registry, RegistryClient, RegistryConfig
 
 from .cosign import is_signature_tag, signature_tag
-from .encryption import Encryption
+from .encryption import EncryptedLayer, Encryption
 from .heartbeat import MarkerHeartbeat
 from .manifest import (
     EMPTY_CONFIG,
@@ -176,9 +176,11 @@ class RemoteStore:
             self.client.push_blob(repo, EMPTY_DIGEST, len(EMPTY_CONFIG), _bytes(EMPTY_CONFIG))
             return put_marker(started)
 
-        cipher = self.encryption.for_push(entry.scope, entry.label)
-        prepare = cipher.prepare if cipher is not None else None
-        with BlobSender(self.client, repo, what, progress, prepare) as sender:
+        cipher = self.encryption.for_push(
+            entry.scope, entry.label, lambda: self._earlier_layers(entry.scope, entry.label)
+        )
+        push_layer = cipher.push if cipher is not None else None
+        with BlobSender(self.client, repo, what, progress, push_layer) as sender:
             first = sender.first(first_marker)
             # Closed (the marker deleted) when the push ends, whichever way it does.
             with MarkerHeartbeat(
@@ -206,6 +208,19 @@ class RemoteStore:
             extra={"checkpoint": entry.id, "registry": self.client.host, "tag": tag.tag},
         )
         return remote
+
+    def _earlier_layers(self, scope: str, label: str) -> Mapping[str, EncryptedLayer]:
+        """The encrypted layers of the label's newest checkpoint that this node's keys
+        open, by plain digest ({} when none): a node that did not push them learns
+        their digests here, to skip what the registry has (encryption.PushCipher). Read
+        as a pull reads it (checked, and signed by ``trusted_keys`` when set)."""
+        try:
+            for remote in self.candidates(scope, label)[:1]:
+                return read_manifest(self.client, remote, self.trust, self.encryption.private)[3]
+        except (errors.ShimError, ValueError) as err:
+            # Only an optimization: without it the chunks go up again.
+            log.info("not reading the label's previous encrypted layers: %s", err)
+        return {}
 
     def _pushable(self, checkpoint_id: str) -> Entry:
         entry = self.store.catalog.get(checkpoint_id)

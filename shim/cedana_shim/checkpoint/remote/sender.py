@@ -22,15 +22,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Final, TypeVar
 
 from cedana_shim import errors
-from cedana_shim.registry import Registry
+from cedana_shim.registry import ProgressCallback, PushResult, Registry
 
-__all__ = ["UPLOAD_WORKERS", "BlobSender", "OpenSource", "Prepare", "Progress"]
+__all__ = ["UPLOAD_WORKERS", "BlobSender", "OpenSource", "Progress", "PushLayer"]
 
 UPLOAD_WORKERS: Final = 4
 OpenSource = Callable[[int], IO[bytes]]  # offset -> the blob, positioned there
 Progress = Callable[[int, int], None]  # (bytes the registry holds, bytes in all)
-# (digest, size, source) -> (the digest sent instead, its source): the layer encrypted.
-Prepare = Callable[[str, int, OpenSource], tuple[str, OpenSource]]
+# How a layer goes up instead of as it is (encrypted: encryption.PushCipher.push):
+# (client, repo, plain digest, size, source, progress) -> what the push did.
+PushLayer = Callable[[Registry, str, str, int, OpenSource, ProgressCallback | None], PushResult]
 T = TypeVar("T")
 
 
@@ -43,11 +44,11 @@ class BlobSender:
         repo: str,
         what: str,
         progress: Progress | None,
-        prepare: Prepare | None = None,
+        push_layer: PushLayer | None = None,
     ) -> None:
         self._client = client
-        # Run on the sending thread (never the compaction's): encryption's pass.
-        self._prepare = prepare
+        # Run on the sending thread (never the compaction's): it encrypts as it sends.
+        self._push_layer = push_layer
         self._repo = repo
         self._what = what
         self._progress = progress
@@ -74,7 +75,7 @@ class BlobSender:
 
     def offer(self, digest: str, size: int, open_at: OpenSource, *, plain: bool = False) -> None:
         """Send blob ``digest`` when a thread is free (once per digest); never raises.
-        ``plain``: as it is, not prepared (a config)."""
+        ``plain``: as it is, never through ``push_layer`` (a config)."""
         with self._lock:
             if digest in self._sizes or self._error is not None:
                 return
@@ -88,7 +89,7 @@ class BlobSender:
         plain: frozenset[str] = frozenset(),
     ) -> None:
         """Send what of ``blobs`` was not offered (largest first; those in ``plain``
-        not prepared), wait for every blob, and raise the first failure."""
+        as they are), wait for every blob, and raise the first failure."""
         with self._lock:
             self._total = sum(blobs.values())
         for digest in sorted(blobs, key=lambda d: -blobs[d]):
@@ -119,12 +120,14 @@ class BlobSender:
             with self._lock:
                 if self._error is not None:
                     return
-            sent = digest
-            if self._prepare is not None and not plain:
-                sent, open_at = self._prepare(digest, size, open_at)
-            result = self._client.push_blob(
-                self._repo, sent, size, open_at, lambda n: self._update(digest, n)
-            )
+
+            def progress(held: int) -> None:
+                self._update(digest, held)
+
+            if self._push_layer is not None and not plain:
+                result = self._push_layer(self._client, self._repo, digest, size, open_at, progress)
+            else:
+                result = self._client.push_blob(self._repo, digest, size, open_at, progress)
             if result.existed:
                 self._update(digest, size)
         except (errors.ShimError, OSError) as err:

@@ -50,6 +50,7 @@ from cedana_shim.registry import (
     OpenSource,
     ProgressCallback,
     PushResult,
+    Tap,
     check_digest,
     check_ref,
     check_repository,
@@ -133,7 +134,38 @@ class SharedDirectory:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(temp, dir_fd=uploads)
             os.fsync(blobs)
-        return PushResult(existed=False, resumed_from=0, sent=size)
+        return PushResult(existed=False, resumed_from=0, sent=size, digest=digest)
+
+    def push_blob_by_content(
+        self,
+        repo: str,
+        key: str,
+        size: int,
+        open_source: OpenSource,
+        progress: ProgressCallback | None = None,
+        tap: Tap | None = None,
+    ) -> PushResult:
+        """Write a blob named by its hash, learned as it is written (``key`` names
+        nothing here: nothing is resumed); a blob already there is kept."""
+        check_repository(repo)
+        if size < 0:
+            raise errors.InvalidArgument(f"blob by content {key}: negative size {size}")
+        what = f"write of a blob by content to {repo}"
+        with self._repo_dirs(repo, "blobs", "sha256", create=True) as blobs:
+            with self._repo_dirs(repo, "uploads", create=True) as uploads:
+                _sweep_stale(uploads)
+                temp = f"by-content.{secrets.token_hex(8)}"
+                try:
+                    digest = self._write_verified(
+                        uploads, temp, None, size, open_source, progress, what, tap
+                    )
+                    os.rename(temp, digest[7:], src_dir_fd=uploads, dst_dir_fd=blobs)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(temp, dir_fd=uploads)
+            os.fsync(blobs)
+        tapped = tap.digest() if tap is not None else b""
+        return PushResult(existed=False, resumed_from=0, sent=size, digest=digest, tap=tapped)
 
     def pull_blob(
         self,
@@ -324,12 +356,15 @@ class SharedDirectory:
         self,
         dir_fd: int,
         name: str,
-        digest: str,
+        digest: str | None,
         size: int,
         open_source: OpenSource,
         progress: ProgressCallback | None,
         what: str,
-    ) -> None:
+        tap: Tap | None = None,
+    ) -> str:
+        """Write ``size`` bytes of the source, fsynced; their digest, which must be
+        ``digest`` when given."""
         hasher = hashlib.sha256()
         written = 0
         fd = os.open(
@@ -340,6 +375,8 @@ class SharedDirectory:
             with open_source(0) as source:
                 while written <= size and (block := source.read(BLOCK_SIZE)):
                     hasher.update(block)
+                    if tap is not None:
+                        tap.update(block)
                     fsutil.write_all(fd, block)
                     written += len(block)
                     if progress is not None:
@@ -348,11 +385,13 @@ class SharedDirectory:
         finally:
             os.close(fd)
         actual = "sha256:" + hasher.hexdigest()
-        if written != size or actual != digest:
+        if written != size or actual != (digest or actual):
             raise errors.DataLoss(
                 f"registry {self.path}: {what}: the source gave {written} bytes hashing to "
-                f"{actual}, not {size} bytes of {digest} (it changed underneath); not written"
+                f"{actual}, not {size} bytes of {digest or 'the blob'} (it changed "
+                "underneath); not written"
             )
+        return actual
 
 
 def _is_tag(name: str) -> bool:
