@@ -231,7 +231,8 @@ def test_a_cancelled_freeze_waits_for_its_threads_and_undoes_everything() -> Non
 
     async def body() -> None:
         task = asyncio.create_task(freeze(driver, PIDS, lock_timeout_ms=1000))
-        await asyncio.sleep(0.15)  # inside the checkpoint phase
+        while not any(step is Step.CHECKPOINT for _, step in driver.started):
+            await asyncio.sleep(0.005)  # until the checkpoint phase has begun
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -247,7 +248,8 @@ def test_a_cancelled_thaw_finishes_first() -> None:
 
     async def body() -> None:
         task = asyncio.create_task(thaw(driver, frozen))
-        await asyncio.sleep(0.02)
+        while not any(step is Step.RESTORE for _, step in driver.started):
+            await asyncio.sleep(0.005)  # until the thaw has begun
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -63,7 +63,8 @@ class FakeDriver:
         self.states: dict[int, ProcessState] = dict.fromkeys(self.processes, ProcessState.RUNNING)
         self.pending_work_ms: dict[int, int] = {}
         self.failures: dict[tuple[int, Step], Failure] = {}
-        self.calls: list[Call] = []
+        self.calls: list[Call] = []  # finished calls
+        self.started: list[tuple[int, Step]] = []  # calls begun, in order
         self.device_maps: dict[int, Mapping[str, str] | None] = {}
         self._mu = threading.Lock()
 
@@ -140,6 +141,8 @@ class FakeDriver:
         device_map: Mapping[str, str] | None = None,
     ) -> None:
         start = time.monotonic()
+        with self._mu:
+            self.started.append((pid, step))
         try:
             self._do_step(pid, step, timeout_ms, device_map)
         except GpuError as err:
