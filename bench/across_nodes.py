@@ -455,7 +455,7 @@ CPU_SAMPLE_S = 0.2  # a process that exits during a step loses at most this much
 # sample costs ~5 ms of CPU: more often would load the 2 vCPUs it measures)
 
 
-def cpu_seconds(pid: int) -> tuple[int, float] | None:
+def parent_and_cpu(pid: int) -> tuple[int, float] | None:
     """(parent pid, utime + stime + cutime + cstime in seconds) from /proc/<pid>/stat:
     the children it reaped included (runc, and CRIU under it); None once it is gone."""
     try:
@@ -478,7 +478,7 @@ def node_processes(sockets: dict[str, bytes]) -> dict[int, str]:
         if not entry.isdigit():
             continue
         pid = int(entry)
-        got = cpu_seconds(pid)
+        got = parent_and_cpu(pid)
         if got is None:
             continue
         parents[pid] = got[0]
@@ -498,7 +498,7 @@ def node_processes(sockets: dict[str, bytes]) -> dict[int, str]:
     return found
 
 
-def registry_pid(remote: Remote) -> int | None:
+def registry_process(remote: Remote) -> int | None:
     """The docker-registry serving this run (its config file on the command line)."""
     if remote.registry is None:
         return None
@@ -546,7 +546,7 @@ class CpuMeter:
         if self._registry is not None:
             pids[self._registry] = "registry"
         for pid, side in pids.items():
-            got = cpu_seconds(pid)
+            got = parent_and_cpu(pid)
             if got is None:
                 continue
             if pid not in self._first:
@@ -599,7 +599,7 @@ def one_run(i: int, local: Node, a: Node, b: Node, mib: int) -> dict[str, Any]:
     out: dict[str, Any] = {"label": label, "first": "local" if swap else "registry"}
     before: dict[str, Any] = {}
     assert a.remote is not None
-    registry = registry_pid(a.remote)
+    registry = registry_process(a.remote)
     sockets = {n.name: str(n.bench.containerd.socket).encode() for n in (local, a, b)}
 
     def cpu(step: Any) -> dict[str, Any]:
