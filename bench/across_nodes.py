@@ -38,6 +38,11 @@ of (b) swapped in odd runs:
     that second push / in the first one, and which blobs were new (from the two
     manifests in the registry).
 
+CPU (issue 30, target 4): during each of those steps, the CPU seconds the registry
+process and each node's processes spend (CpuMeter: /proc/<pid>/stat, children reaped
+included), per GiB of memory, beside the ratios. The summary ends with issue 30's
+targets 1-3: 1 is (b), 3 is (a), 2 (a lazy restore on B) when the run measured it.
+
 No stop comes within LEFTOVERS_DELAY (+1.5 s) of its container's Create: the daemon's
 leftovers sweep would race the stop's push (see Node.after_leftovers_sweep).
 
@@ -115,6 +120,7 @@ from tests.integration.harness.registry import (  # noqa: E402
 )
 
 TIME_TARGET = 1.5  # (a) and (b): registry side / local side
+LAZY_TARGET_S = 1.5  # issue 30 target 2: ctr run -> first beat on B, lazy, 4 GiB
 MEMORY_TARGET_MIB = 64.0
 DELTA_TARGET = 0.15
 PREFIX = "cedana"
@@ -472,6 +478,131 @@ class Node:
             run([str(CEDANA_CLI), "--store", store, "checkpoints", "rm", entry["id"]])
 
 
+# -- CPU accounting (issue 30, target 4) ------------------------------------------------------
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+CPU_SAMPLE_S = 0.2  # a process that exits during a step loses at most this much (one
+# sample costs ~5 ms of CPU: more often would load the 2 vCPUs it measures)
+
+
+def parent_and_cpu(pid: int) -> tuple[int, float] | None:
+    """(parent pid, utime + stime + cutime + cstime in seconds) from /proc/<pid>/stat:
+    the children it reaped included (runc, and CRIU under it); None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+    return int(fields[1]), sum(int(x) for x in fields[11:15]) / CLK_TCK
+
+
+def node_processes(sockets: dict[str, bytes]) -> dict[int, str]:
+    """pid -> node, for each node's shim daemons (their command line names the node's
+    containerd socket: ``-address``) and everything under them (fork servers, runc,
+    CRIU). Not by environment: a shim daemon is forked by a template process that
+    another containerd, even another run's, may have started, and /proc/<pid>/environ
+    shows that one's."""
+    parents: dict[int, int] = {}
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        got = parent_and_cpu(pid)
+        if got is None:
+            continue
+        parents[pid] = got[0]
+        with contextlib.suppress(OSError):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            for node, socket in sockets.items():
+                if b"-address\0" + socket + b"\0" in cmdline:
+                    found[pid] = node
+    for pid in parents:  # descendants: walk up to a daemon found above
+        chain: list[int] = []
+        up = pid
+        while up in parents and up not in found and len(chain) < 64:
+            chain.append(up)
+            up = parents[up]
+        if up in found:
+            found |= dict.fromkeys(chain, found[up])
+    return found
+
+
+def registry_process(remote: Remote) -> int | None:
+    """The docker-registry serving this run (its config file on the command line)."""
+    if remote.registry is None:
+        return None
+    needle = str(remote.registry.config_path).encode()
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            if entry.isdigit() and needle in Path(f"/proc/{entry}/cmdline").read_bytes():
+                return int(entry)
+    return None
+
+
+class CpuMeter:
+    """CPU seconds each side spends during one step: the registry process, and each
+    node's processes (node_processes). Sampled every CPU_SAMPLE_S: a node's
+    processes come and go (a shim per container), so each one counts from when
+    it was first seen (0 for one born during the step) to its last sample, with the
+    children it reaped. A child of a node process counts only if it is still there at
+    the end: once reaped, its CPU is in its parent's (cutime), and would count twice."""
+
+    def __init__(self, sockets: dict[str, bytes], registry: int | None) -> None:
+        self._sockets = sockets
+        self._registry = registry
+        self._first: dict[int, float] = {}
+        self._last: dict[int, tuple[str, int, float]] = {}  # pid -> (side, ppid, seconds)
+        self._at_end: set[int] = set()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuMeter:
+        self._sample(first=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self._at_end = self._sample()
+
+    def _run(self) -> None:
+        while not self._done.wait(CPU_SAMPLE_S):
+            self._sample()
+
+    def _sample(self, first: bool = False) -> set[int]:
+        pids = node_processes(self._sockets)
+        if self._registry is not None:
+            pids[self._registry] = "registry"
+        for pid, side in pids.items():
+            got = parent_and_cpu(pid)
+            if got is None:
+                continue
+            if pid not in self._first:
+                self._first[pid] = got[1] if first else 0.0
+            self._last[pid] = (side, got[0], got[1])
+        return set(pids)
+
+    def seconds(self) -> dict[str, float]:
+        """CPU seconds per side: each node's name, and "registry" when there is one."""
+        out = dict.fromkeys([*self._sockets, *(["registry"] if self._registry else [])], 0.0)
+        for pid, (side, ppid, last) in self._last.items():
+            reaped = pid not in self._at_end
+            if side != "registry" and reaped and self._last.get(ppid, ("",))[0] == side:
+                continue  # in its parent's cutime
+            out[side] += last - self._first[pid]
+        return {k: round(v, 3) for k, v in out.items()}
+
+
+def with_cpu(step: Any, sockets: dict[str, bytes], registry: int | None) -> dict[str, Any]:
+    """``step()``'s result with ``cpu_s``: the CPU seconds each side spent in it."""
+    with CpuMeter(sockets, registry) as meter:
+        out: dict[str, Any] = step()
+    out["cpu_s"] = meter.seconds()
+    return out
+
+
 # -- one run ------------------------------------------------------------------------------
 
 
@@ -497,19 +628,25 @@ def one_run(i: int, local: Node, a: Node, b: Node, mib: int) -> dict[str, Any]:
     swap = i % 2 == 1
     out: dict[str, Any] = {"label": label, "first": "local" if swap else "registry"}
     before: dict[str, Any] = {}
+    assert a.remote is not None
+    registry = registry_process(a.remote)
+    sockets = {n.name: str(n.bench.containerd.socket).encode() for n in (local, a, b)}
+
+    def cpu(step: Any) -> dict[str, Any]:
+        return with_cpu(step, sockets, registry)
 
     def stop_on_a() -> None:
         pid = a.start_filled(cid("a"), label)
         settle()
         before["a"] = read_beat(pid)
-        out["stop_registry"] = a.timed_stop(cid("a"), pid)
+        out["stop_registry"] = cpu(lambda: a.timed_stop(cid("a"), pid))
         a.side.ctr.remove(cid("a"))
 
     def stop_on_local() -> None:
         container, local_label = cid("l"), f"{label}-local"
         pid = local.start_filled(container, local_label)
         settle()
-        out["stop_local"] = local.timed_stop(container, pid)
+        out["stop_local"] = cpu(lambda: local.timed_stop(container, pid))
         local.side.ctr.remove(container)
         local.forget(local_label)
 
@@ -518,11 +655,11 @@ def one_run(i: int, local: Node, a: Node, b: Node, mib: int) -> dict[str, Any]:
 
     def restore_on_a() -> None:
         settle(RESTORE_GAP)
-        out["restore_local"] = a.timed_restore(cid("ra"), label, before["a"], mib)
+        out["restore_local"] = cpu(lambda: a.timed_restore(cid("ra"), label, before["a"], mib))
 
     def restore_on_b() -> None:
         settle(RESTORE_GAP)
-        out["restore_pulled"] = b.timed_restore(cid("rb"), label, before["a"], mib)
+        out["restore_pulled"] = cpu(lambda: b.timed_restore(cid("rb"), label, before["a"], mib))
         b.side.ctr.remove(cid("rb"))
         b.forget(label)
 
@@ -601,6 +738,73 @@ def figures(runs: list[dict[str, Any]]) -> dict[str, Summary]:
         "delta_ratio": summarize([float(r["delta_ratio"]) for r in runs]),
     }
     return out
+
+
+CPU_STEPS = {  # the step, and whose CPU matters for it
+    "stop_registry": ("A", "registry"),
+    "stop_local": ("L",),
+    "restore_pulled": ("B", "registry"),
+    "restore_local": ("A",),
+}
+
+
+def cpu_figures(runs: list[dict[str, Any]], mib: int) -> dict[str, Summary]:
+    """CPU seconds per GiB of the workload's memory, per step and side (target 4)."""
+    gib = mib / 1024
+    return {
+        f"cpu.{step}.{who}": summarize(
+            [r[step]["cpu_s"][who] / gib for r in runs if who in r[step].get("cpu_s", {})]
+        )
+        for step, whose in CPU_STEPS.items()
+        for who in whose
+    }
+
+
+def print_cpu(f: dict[str, Summary]) -> None:
+    """Target 4: the CPU each side spends per GiB, beside the time ratios: on a cluster
+    whose registry has CPUs of its own, only the node's column is on the node's CPUs."""
+    rows = [
+        ["(a) stop: A pushes / L commits", cell(f["cpu.stop_registry.A"]),
+         cell(f["cpu.stop_registry.registry"]), cell(f["cpu.stop_local.L"])],
+        ["(b) create -> running: B pulls / A", cell(f["cpu.restore_pulled.B"]),
+         cell(f["cpu.restore_pulled.registry"]), cell(f["cpu.restore_local.A"])],
+    ]  # fmt: skip
+    print("\nCPU seconds per GiB of memory (target 4: /proc/<pid>/stat, children reaped included)")
+    print_table(["step", "the node (A / B)", "registry", "the local side (L / A)"], rows)
+
+
+def issue_targets(
+    f: dict[str, Summary], verdicts: dict[str, tuple[float, float]]
+) -> list[dict[str, Any]]:
+    """Issue 30's targets 1-3 as this run measured them (target 2, the lazy restore of
+    4 GiB on B, only when the run measured it: ``restore_pulled_lazy.first_beat_s``)."""
+    lazy = f.get("restore_pulled_lazy.first_beat_s")
+    rows: list[dict[str, Any]] = [
+        {"target": 1, "what": "create -> running on B (pull) / A (local), eager",
+         "value": verdicts["b"][0], "limit": TIME_TARGET},
+        {"target": 2, "what": "lazy restore on B, ctr run -> first beat, 4 GiB (s)",
+         "value": lazy.median if lazy is not None and lazy.n else None, "limit": LAZY_TARGET_S},
+        {"target": 3, "what": "SIGTERM -> exit, before-exit push (A) / local commit (L)",
+         "value": verdicts["a"][0], "limit": TIME_TARGET},
+    ]  # fmt: skip
+    for row in rows:
+        value = row["value"]
+        row["meets_target"] = None if value is None else value <= row["limit"]
+    return rows
+
+
+def print_targets(rows: list[dict[str, Any]]) -> None:
+    print("\nIssue 30 targets")
+    print_table(
+        ["target", "measure", "value", "target", "verdict"],
+        [
+            [str(r["target"]), r["what"], "n/a" if r["value"] is None else f"{r['value']:.3g}",
+             f"<= {r['limit']:g}",
+             "not measured by this run" if r["value"] is None
+             else verdict(r["value"], r["limit"])]
+            for r in rows
+        ],
+    )  # fmt: skip
 
 
 def cell(s: Summary, unit: str = "s", digits: int = 2) -> str:
@@ -760,6 +964,10 @@ def main() -> int:
         "(median (min-max, sd))"
     )
     print_figures(f, verdicts)
+    cpu = cpu_figures(runs, args.mem_mib)
+    print_cpu(cpu)
+    targets = issue_targets(f, verdicts)
+    print_targets(targets)
     report.results = {
         "unit": "seconds; MiB; MB/s (10^6 bytes); load: 1-minute load average",
         "figures": {k: v.as_dict() for k, v in f.items()},
@@ -767,6 +975,8 @@ def main() -> int:
             k: {"value": round(v, 4), "target": t, "meets_target": v <= t}
             for k, (v, t) in verdicts.items()
         },
+        "cpu_per_gib": {k: v.as_dict() for k, v in cpu.items()},
+        "issue_30_targets": targets,
         "runs": runs,
     }
     report.notes.append(

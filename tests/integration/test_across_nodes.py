@@ -170,6 +170,9 @@ def test_a_checkpoint_taken_on_one_node_resumes_on_another(
         assert_continues(before, wait_ticks(second.lines, count=3), "restore on another node")
         pulled = log_b.wait("pulled checkpoint from the registry", checkpoint=checkpoint)
         assert pulled["container"] == second.cid
+        # Its raw images were checked as the pull wrote them: CRIU reads them once.
+        fresh = log_b.wait("restoring from raw images checked as they were pulled")
+        assert (fresh["container"], fresh["checkpoint"]) == (second.cid, checkpoint)
         assert [e.id for e in entries(n.b.store, label=label)] == [checkpoint]
 
 

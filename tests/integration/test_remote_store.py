@@ -440,6 +440,31 @@ def test_a_corrupt_blob_in_the_registry_fails_the_pull_and_leaves_nothing(
     assert not os.path.exists(os.path.join(other.root, "raw", entry.id))
 
 
+def test_a_registry_that_dies_mid_pull_fails_it_as_unavailable_and_leaves_nothing(
+    store: Store, settings: RegistryConfig, registry: Registry, tmp_path: Path
+) -> None:
+    """SIGKILLed once a quarter of the bytes are in (from the pull's own progress, so no
+    clock is raced): the pull fails as the registry's fault, not the checkpoint's (a
+    restore then does not record the checkpoint as failed), and nothing of it stays."""
+    entry = commit_checkpoint(store, _files(os.urandom(PAGES)))
+    pushed = remote_store(store, settings).push(entry.id)
+    other = open_store(tmp_path / "store-b")
+    killed: list[int] = []
+
+    def progress(done: int, total: int) -> None:
+        if not killed and done * 4 >= total:
+            killed.append(done)
+            registry.kill()
+
+    with pytest.raises(ShimError) as failed:
+        remote_store(other, settings).pull(pushed, progress)
+    assert killed, "the registry was never killed: the pull reported no progress"
+    assert not isinstance(failed.value, DataLoss), failed.value
+    assert other.catalog.list() == [] and staging_dirs(other) == []
+    assert not os.listdir(os.path.join(other.root, "blobs", "sha256"))
+    assert not os.path.exists(os.path.join(other.root, "raw", entry.id))
+
+
 def _rewrite_manifest(remote: RemoteStore, pushed: RemoteCheckpoint, edit: object) -> None:
     data, _, _ = remote.client.get_manifest(pushed.repository, pushed.tag)
     document = json.loads(data)

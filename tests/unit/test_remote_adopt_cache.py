@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from cedana_shim.checkpoint.remote.pull import download_order
 from cedana_shim.checkpoint.store import Entry, Store
 from cedana_shim.checkpoint.store.adopt import Adoption, manifest_blobs
 from cedana_shim.checkpoint.store.layout import (
@@ -112,6 +113,9 @@ def test_a_pulled_checkpoint_comes_with_its_raw_images(
     target.raw.verify_raw(adopted, "criu")  # every CRC-32 as the dumping node recorded it
     assert adopted.raw_bytes == sum(len(c) for c in FILES.values())
     assert sorted(os.listdir(Path(target.root, "ingest"))) == []
+    # Checked as it was written: the first restore may skip the second read, once.
+    assert target.adopter.take_fresh_cache(entry.id)
+    assert not target.adopter.take_fresh_cache(entry.id)
 
 
 def test_chunks_the_store_had_are_written_into_the_cache_too(
@@ -189,6 +193,7 @@ def test_files_that_do_not_rebuild_the_file_list_are_not_kept_as_a_cache(
         adopted = target.adopter.adopt(adoption, data)
     assert target.raw.raw_images(adopted, "criu") is None
     assert not os.path.exists(os.path.join(target.root, "raw", entry.id))
+    assert not target.adopter.take_fresh_cache(entry.id)
     target.reader.verify(adopted, deep=True)  # the checkpoint itself is whole
 
 
@@ -208,6 +213,7 @@ def test_no_cache_for_a_checkpoint_older_than_the_labels_newest(
         adopted = target.adopter.adopt(adoption, data)
     assert target.raw.raw_images(adopted, "criu") is None
     assert target.raw.raw_images(target.catalog.get(newer.id), "criu") is not None
+    assert not target.adopter.take_fresh_cache(entry.id)
 
 
 def test_no_cache_when_the_store_keeps_none(source: tuple[Store, Entry], tmp_path: Path) -> None:
@@ -218,3 +224,23 @@ def test_no_cache_when_the_store_keeps_none(source: tuple[Store, Entry], tmp_pat
     with target.adopter.begin_adoption(entry.id) as adoption:
         assert adoption.cache_layer(manifest, config) is None
         assert not adoption.begin_cache(manifest, config)
+
+
+def test_a_pull_asks_for_the_small_blobs_first_then_the_chunks_as_their_files_hold_them(
+    source: tuple[Store, Entry],
+) -> None:
+    store, entry = source
+    _, manifest = _documents(store, entry)
+    blobs = manifest_blobs(manifest)
+    order = download_order(manifest, blobs)
+    layers = [d.digest for d in manifest.layers]
+    assert manifest.config.digest not in order
+    assert set(order) == set(blobs) - {manifest.config.digest}
+    assert sorted(order[: len(layers)], key=lambda d: blobs[d]) == order[: len(layers)]
+    assert set(order[: len(layers)]) == set(layers)
+    placed = [(c.file, c.offset, c.digest) for c in manifest.chunks["criu"]]
+    first_places = list(dict.fromkeys(d for _, _, d in sorted(placed)))
+    assert order[len(layers) :] == first_places  # a repeated chunk at its first place
+    # Blobs the store had are not asked for.
+    had = next(iter(manifest.chunks["criu"])).digest
+    assert had not in download_order(manifest, {d: s for d, s in blobs.items() if d != had})

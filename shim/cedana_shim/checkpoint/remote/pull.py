@@ -7,9 +7,11 @@ free space BEFORE anything is downloaded. Blobs the store already holds (chunks 
 an earlier checkpoint) are pinned from it, not downloaded; the rest stream into the
 store's staging dir (store/adopt.py), their sha256 verified on the way, a small
 pool at once, the config first (and checked, so a bad one costs no layer
-download). With the store's ``cache_raw`` on (and room for it), the CRIU page images
-are written out as their chunks arrive, decompressed on the way (store/rawcache.py):
-the pulled checkpoint comes with its raw-image cache, and the restore runs CRIU at
+download), then the layers' own blobs (the small CRIU images, the rootfs diff),
+then the chunks in the order their files hold them (:func:`download_order`). With
+the store's ``cache_raw`` on (and room for it), the CRIU page images are written
+out as their chunks arrive, decompressed on the way (store/rawcache.py): the
+pulled checkpoint comes with its raw-image cache, and the restore runs CRIU at
 once rather than unpacking the blobs first. Only when every blob is there does the
 store commit the checkpoint (and place that cache); any failure removes the staging
 dir, so nothing partial is ever visible.
@@ -61,6 +63,7 @@ __all__ = [
     "Progress",
     "check_config",
     "check_sizes",
+    "download_order",
     "pull_into",
     "read_manifest",
 ]
@@ -203,7 +206,7 @@ def pull_into(
         cache = adoption.cache_layer(manifest, config)
         if cache is not None and cache.raw_size <= spare:
             adoption.begin_cache(manifest, config)
-        rest = sorted((d for d in missing if d != cdesc.digest), key=lambda d: -missing[d])
+        rest = download_order(manifest, missing)
         with ThreadPoolExecutor(DOWNLOAD_WORKERS, thread_name_prefix="cedana-pull") as pool:
             # Chunks the store had: into the cache while the others download.
             futures = [pool.submit(adoption.fill_cache, d) for d in blobs if d not in missing]
@@ -219,6 +222,21 @@ def pull_into(
                     future.cancel()
                 raise
         return adopter.adopt(adoption, data)
+
+
+def download_order(manifest: Manifest, missing: Mapping[str, int]) -> list[str]:
+    """The blobs of ``missing`` but the config, in the order a pull asks for them: the
+    layers' own blobs first, smallest first (the CRIU images other than the pages and
+    the rootfs diff, which a restore needs whole before anything else), then the
+    chunks of the split files in file and offset order, as CRIU reads the pages."""
+    layers = sorted(
+        (d.digest for d in manifest.layers if d.digest in missing), key=lambda d: missing[d]
+    )
+    order = dict.fromkeys(layers)
+    for chunks in manifest.chunks.values():
+        order |= dict.fromkeys(c.digest for c in chunks if c.digest in missing)
+    order.pop(manifest.config.digest, None)
+    return list(order)
 
 
 def _download(

@@ -21,7 +21,10 @@ With ``cache_raw`` on, a pull also builds the CRIU layer's raw-image cache while
 chunks stream in (``begin_cache``, rawcache.py); adopt moves it to ``raw/<id>/`` in
 the same hold of the lock, when the files rebuild the file list the config records
 and the checkpoint is the newest of its label, so that a restore runs CRIU from it
-at once instead of unpacking the blobs first.
+at once instead of unpacking the blobs first. Every byte of such a cache was checked
+as it was written (each chunk's sha256, each file's CRC-32): the first restore from it
+may skip the second read for CRC-32s a restore from raw images otherwise runs beside
+CRIU (:meth:`Adopter.take_fresh_cache`).
 """
 
 from __future__ import annotations
@@ -331,6 +334,17 @@ class Adopter:
     def __init__(self, core: StoreCore, catalog: Catalog) -> None:
         self._core = core
         self._catalog = catalog
+        self._fresh_caches: set[str] = set()  # ids whose raw-image cache adopt placed
+        self._fresh_lock = threading.Lock()
+
+    def take_fresh_cache(self, checkpoint_id: str) -> bool:
+        """Whether this adopter placed ``checkpoint_id``'s raw-image cache, checked as it
+        was written, and no one asked since: True once."""
+        with self._fresh_lock:
+            if checkpoint_id not in self._fresh_caches:
+                return False
+            self._fresh_caches.discard(checkpoint_id)
+            return True
 
     @property
     def root(self) -> str:
@@ -448,6 +462,9 @@ class Adopter:
                     raise
         except OSError as err:
             raise self._core.os_error(err, f"adopting {where} into {self._core.root}") from err
+        if cached:
+            with self._fresh_lock:
+                self._fresh_caches.add(ref.id)
         position = len(new_index.descriptors) - 1
         return self._catalog.load_entry(parse_checkpoint_ref(desc, position, "index.json"))
 

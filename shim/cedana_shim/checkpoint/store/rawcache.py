@@ -12,7 +12,9 @@ as written here (a split file's from its chunks' CRC-32s, combined). The cache i
 kept only if that list hashes to the digest the checkpoint's config records
 (``rawFiles``): then these files are exactly the ones the dumping node published,
 and a restore can run CRIU from them at once, as it does from a local checkpoint's
-cache (their CRC-32s are checked again while CRIU reads them). Otherwise the cache
+cache (the first restore after the pull reads them once, every byte having been
+checked here as it was written; later ones check their CRC-32s again while CRIU
+reads them, see adopt.py). Otherwise the cache
 is dropped, and the restore unpacks the blobs as before.
 
 Nothing here is visible: the staging dir is the adoption's, and the store's adopt
