@@ -203,25 +203,6 @@ def status_kib(pid: int, key: str) -> int:
     raise BenchFailure(f"/proc/{pid}/status has no {key}")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process, its threads (live and ended) included."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def registry_pid(remote: Remote | None) -> int | None:
-    """The registry process serving ``remote`` (found by its config file), if any."""
-    if remote is None or remote.registry is None:
-        return None
-    wanted = str(remote.registry.config_path).encode()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if wanted in (entry / "cmdline").read_bytes().split(b"\0"):
-                    return int(entry.name)
-    return None
-
-
 def parent_pid(pid: int) -> int:
     return status_kib(pid, "PPid")
 
@@ -373,10 +354,6 @@ class Node:
         that it does not run into the next timed step."""
         self.after_leftovers_sweep(cid)
         memory = ShimMemory(parent_pid(pid))
-        # CPU seconds from the kill to the exit: the shim daemon's (its threads: dump
-        # bookkeeping, commit, compression, hashing, TLS) and the registry's, which
-        # shares this host's CPUs here and has its own on a real cluster.
-        cpu_pids = {"shim": memory.pid, "registry": registry_pid(self.remote)}
         stored_before = self.remote.stored_bytes() if self.remote else 0
         offset = shim_log_offset(self.bench)
         load_before = load_average()
@@ -386,16 +363,10 @@ class Node:
                 raise BenchFailure(f"{self.name}: Tasks.Wait {cid} returned before the kill")
             kill = self.side.ctr.argv("task", "kill", "-s", "SIGTERM", cid)
             memory.start()
-            cpu_before = {k: cpu_seconds(p) for k, p in cpu_pids.items() if p is not None}
             t0_wall, t0 = time.time(), time.perf_counter()
             subprocess.run(kill, stdin=subprocess.DEVNULL, capture_output=True, check=True)
             exit_status = waiter.result(timeout=900)
             seconds = time.perf_counter() - t0
-            cpu_used = {
-                f"{k}_cpu_s": cpu_seconds(p) - cpu_before[k]
-                for k, p in cpu_pids.items()
-                if p is not None
-            }
             at_exit = set(self.remote.complete_tags()) if self.remote else set()
             memory.stop()
         load_after = load_average()
@@ -423,7 +394,6 @@ class Node:
                 shim_log_records(self.bench, offset), {cid, steps["checkpoint"]}, t0_wall
             ),
             "shim_peak_growth_mib": (memory.hwm_kib - memory.rss_before_kib) / 1024,
-            **cpu_used,
         }
         if self.remote is not None:
             out["tag_at_exit"] = steps["checkpoint"] in at_exit
@@ -707,7 +677,6 @@ def figures(runs: list[dict[str, Any]]) -> dict[str, Summary]:
         for key in (
             "seconds", "runc_checkpoint_s", "committed_after_s", "compacted_after_s",
             "pushed_after_s", "pull_s", "shim_created_after_s", "shim_runc_restore_s",
-            "shim_cpu_s", "registry_cpu_s",
         )
     }  # fmt: skip
     for side in SIDES:
@@ -837,8 +806,6 @@ def print_figures(f: dict[str, Summary], verdicts: dict[str, tuple[float, float]
         ["    compacted", *steps("compacted_after_s", "(L: after its exit)")],
         ["    pushed", *steps("pushed_after_s", "(tag there at the exit: "
          f"{f['tag_at_exit'].mean * f['tag_at_exit'].n:.0f}/{f['tag_at_exit'].n} stops)")],
-        ["    CPU s: shim / registry", cell(f["stop_registry.shim_cpu_s"]),
-         cell(f["stop_registry.registry_cpu_s"]), "", "(kill -> exit, /proc/PID/stat)", ""],
         ["(b) create -> running: B (pull) / A",
          cell(f["restore_pulled.seconds"]), cell(f["restore_local.seconds"]), *judged("b"),
          load_cell(f, "restore_pulled")],
