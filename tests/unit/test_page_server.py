@@ -8,6 +8,7 @@ fetched) is never served: the server stops answering and reports it."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import socket
 import struct
@@ -161,12 +162,12 @@ def test_covering_chunks_hold_exactly_the_run(
     covering = pages.covering(run)
     assert covering[0].offset <= run.offset < covering[0].offset + covering[0].raw_size
     assert covering[-1].offset < run.end <= covering[-1].offset + covering[-1].raw_size
-    assert all(a.offset + a.raw_size == b.offset for a, b in zip(covering, covering[1:]))
+    assert all(a.offset + a.raw_size == b.offset for a, b in itertools.pairwise(covering))
 
 
 def test_pagemap_larger_than_its_chunks_is_data_loss() -> None:
     chunks, _ = _chunks("pages-1.img", bytes(4 * PS), PS)
-    with pytest.raises(DataLoss, match="pagemap-7.img"):
+    with pytest.raises(DataLoss, match=r"pagemap-7\.img"):
         PageMap({7: TASK}, chunks)
 
 
