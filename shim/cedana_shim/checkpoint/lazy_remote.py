@@ -8,8 +8,9 @@ candidate when ``lazy_restore`` is on and the checkpoint's page images are chunk
    restore reads itself (not lazy; shared memory's) filled before it starts
    (remote/page_map.py).
 2. :meth:`ServedCheckpoint.serve` (at Start): the page server (remote/page_server.py)
-   listens and the prefetcher starts; ``criu lazy-pages --page-server`` is pointed
-   at it (runtime/lazy_pages.py). A failure of either (a registry that fails, a chunk
+   listens; ``criu lazy-pages --page-server`` is pointed at it (runtime/lazy_pages.py);
+   once the tasks run (:meth:`ServedCheckpoint.resumed`) the prefetcher fills the rest
+   in address order behind their faults. A failure of either (a registry that fails, a chunk
    that does not verify) sets :attr:`ServedCheckpoint.failed`: the session then
    abandons the restore, the tasks killed before the server closes.
 3. :meth:`ServedCheckpoint.commit` once the daemon is done: the rest of the chunks
@@ -114,8 +115,13 @@ class ServedCheckpoint:
         self.failed = self._loop.create_future()
         self._server = PageServer(self._pages, self._filler, self._fail)
         self._server.start()
-        self._filler.start_prefetch()
         return self._server.address
+
+    def resumed(self) -> None:
+        """The tasks run: the rest of the pages stream in behind their faults. (Not
+        before: until then nothing faults, and the link is the eager pages'.)"""
+        if self._filler is not None:
+            self._filler.start_prefetch()
 
     def _fail(self, err: BaseException) -> None:
         """From the server's or the filler's threads: the first failure wins."""

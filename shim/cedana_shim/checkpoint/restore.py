@@ -918,7 +918,7 @@ class RestoreSession:
             tcp_established=plan.keep_tcp and self.config.tcp_established,
             file_locks=self.config.file_locks,
             lazy_pages=lazy,
-            resumed=resumed.set,
+            resumed=resumed.set if plan.served is None else _both(resumed.set, plan.served.resumed),
             checkpointed_container=str(plan.entry.metadata.get("containerId") or ""),
             page_server=page_server,
         )
@@ -1053,6 +1053,14 @@ async def _restore_served(
         kind = type(err) if isinstance(err, ShimError) else DataLoss
         raise kind(f"the registry's pages failed while the tasks ran (they were killed): {err}")
     return restoring.result()
+
+
+def _both(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    def call() -> None:
+        first()
+        then()
+
+    return call
 
 
 async def _cancel(task: asyncio.Future[Any]) -> bool:

@@ -1,0 +1,205 @@
+"""Lazy restore on another node: CRIU's lazy-pages daemon fed from the registry.
+
+Node A (no lazy restore) checkpoints a labelled workload with 64 MiB of random memory
+and pushes it to a real registry (docker-registry, TLS, auth); node B, with
+`lazy_restore` on and an empty store, starts the next container of the label. B pulls
+only the small blobs and the pages CRIU's restore reads itself; the tasks resume while
+`criu lazy-pages --page-server` asks the shim's page server for the rest, which fetches
+each chunk from the registry when first needed (then the rest in address order) and
+checks it before serving a byte of it.
+
+- the workload resumes with its memory's checksum intact, and B's store ends up with
+  the checkpoint, as a full pull would have left it;
+- the registry killed once the restore is under way (the moment B's lazy-pages daemon
+  starts: a `criu` wrapper on B's PATH kills it, then runs the real daemon): the tasks
+  are killed, the same checkpoint cannot be pulled whole either, so the container
+  starts cold, saying why; no daemon and no staging dir are left behind;
+- a chunk corrupted in the registry that only the lazy-pages daemon asks for (none of
+  the pages CRIU's restore reads itself): the restore gets as far as running tasks,
+  the chunk fails its check when it is fetched, the tasks are killed, and the
+  container starts cold (the eager pull of the same checkpoint fails on it too).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from cedana_shim.checkpoint.lazy_remote import task_pagemaps
+from cedana_shim.checkpoint.remote.page_map import PageMap
+from cedana_shim.checkpoint.store.layout import Chunk
+
+from .conftest import MakeNode
+from .harness.config import CRIU, CTR_NAMESPACE
+from .harness.containerd import Containerd
+from .harness.cr_events import TOPIC_EXIT, TOPIC_RESTORE, EventStream
+from .harness.cr_support import (
+    Box,
+    ShimLog,
+    Workloads,
+    assert_continues,
+    counter_script,
+    entries,
+    open_store,
+    restored_from,
+    shim_pid,
+    unique_label,
+    wait_ticks,
+)
+from .harness.registry import Registry
+from .test_lazy_restore import CHECK, PADSUM, check_memory, lazy_daemons, padsums
+
+NewId = Callable[[str], str]
+pytestmark = pytest.mark.ctrd_versions("2.1")  # the shim's own machinery: one version
+MEM_KIB = 64 * 1024
+KILLER = """#!/bin/sh
+# B's criu: the real one; its lazy-pages daemon starts only after the registry is dead.
+[ "$1" = lazy-pages ] && kill -9 {pid}
+exec {real} "$@"
+"""
+
+
+def _script() -> str:
+    return counter_script(mem_kib=MEM_KIB, extra=PADSUM, each_tick=CHECK)
+
+
+def _checkpoint_on_a(a: Containerd, new_id: NewId, label: str) -> tuple[str, str, int]:
+    """A's container with its 64 MiB, stopped (pushed before its exit is reported):
+    (checkpoint id, its memory's md5, its last count)."""
+    with (
+        EventStream(a.socket) as events,
+        Workloads(a, new_id, label=label, script=_script(), namespace=CTR_NAMESPACE) as w,
+    ):
+        box = w.start("a")
+        wait_ticks(box.lines, count=3, timeout=60)
+        (padsum,) = padsums(box)
+        w.ctr("task", "kill", "-s", "SIGTERM", box.cid)
+        committed = events.wait_commit(box.cid, timeout=120)
+        exited = events.wait_topic(TOPIC_EXIT, box.cid, timeout=120)
+        assert exited.field("exit_status") == 143, exited
+        w.delete(box)
+        counted = box.ticks()
+        assert counted is not None
+        return committed.checkpoint_id, padsum, counted
+
+
+def _lazy_env(node_env: dict[str, str], **more: str) -> dict[str, str]:
+    return {**node_env, "CEDANA_LAZY_RESTORE": "true", **more}
+
+
+def _late_chunk(a: Containerd, checkpoint: str, tmp_path: Path) -> Chunk:
+    """A chunk of the checkpoint's pages that CRIU's restore does not read itself: only
+    the lazy-pages daemon asks for it, once the tasks run."""
+    store = open_store(a.store)
+    entry = store.catalog.get(checkpoint)
+    images = tmp_path / "images"
+    store.reader.extract_layer(entry, "criu", str(images))
+    chunks = entry.layer("criu").chunks
+    pages = PageMap(task_pagemaps(str(images)), chunks)
+    eager = set(pages.eager_chunks())
+    late = [c for c in chunks if c not in eager and sum(x.digest == c.digest for x in chunks) == 1]
+    assert late, "every chunk is read by the restore itself"
+    return max(late, key=lambda c: c.size)
+
+
+def _fell_back_cold(events: EventStream, box: Box, checkpoint: str) -> str:
+    outcome = events.wait_topic(TOPIC_RESTORE, box.cid, timeout=180)
+    assert outcome.field("outcome") == "cold", outcome
+    detail = str(outcome.field("detail"))
+    assert f"{checkpoint}: lazy restore failed, restoring eagerly" in detail, detail
+    assert "cannot pull it" in detail, detail
+    return detail
+
+
+def _nothing_left(b: Containerd, box: Box) -> None:
+    assert lazy_daemons(shim_pid(b, box)) == set()
+    assert not entries(b.store)
+    ingest = b.store / "ingest"
+    assert not ingest.exists() or not [p for p in os.listdir(ingest) if p.startswith("adopt-")]
+
+
+def test_a_lazy_restore_from_the_registry_resumes_with_its_memory_intact(
+    make_node: MakeNode, node_env: dict[str, str], new_id: NewId
+) -> None:
+    label = unique_label("lazyremote")
+    a = make_node(node_env)
+    checkpoint, padsum, counted = _checkpoint_on_a(a, new_id, label)
+    b = make_node(_lazy_env(node_env))
+    log = ShimLog(b)
+    with (
+        EventStream(b.socket) as events,
+        Workloads(b, new_id, label=label, script=_script(), namespace=CTR_NAMESPACE) as w,
+    ):
+        box = w.start("b")
+        restored_from(events, box, checkpoint)
+        done = log.wait("restored from checkpoint", container=box.cid)
+        assert done["memory"] == "lazy", done
+        assert not done["why"], done  # nothing passed over: served from the registry
+        assert_continues(counted, wait_ticks(box.lines, count=3), "lazy restore from the registry")
+        check_memory(w, box, padsum)
+        assert lazy_daemons(shim_pid(b, box)) == set()  # it exited once all was in
+        # The pull completed behind the restore: B's store has it, as a full pull leaves it.
+        assert [e.id for e in entries(b.store, label=label)] == [checkpoint]
+        open_store(b.store).reader.verify(open_store(b.store).catalog.get(checkpoint))
+        assert not log.find("pulled checkpoint from the registry")  # no full pull first
+
+
+def test_a_registry_killed_mid_restore_kills_the_tasks_and_falls_back(
+    make_node: MakeNode,
+    node_env: dict[str, str],
+    registry: Registry,
+    new_id: NewId,
+    tmp_path: Path,
+) -> None:
+    label = unique_label("lazykill")
+    a = make_node(node_env)
+    checkpoint, _, _ = _checkpoint_on_a(a, new_id, label)
+    pid = registry._process.pid if registry._process is not None else 0
+    assert pid
+    wrapped = tmp_path / "criu-kill"
+    wrapped.mkdir()
+    (wrapped / "criu").write_text(KILLER.format(pid=pid, real=CRIU))
+    (wrapped / "criu").chmod(0o755)
+    b = make_node(_lazy_env(node_env, PATH=str(wrapped), CEDANA_REGISTRY_TIMEOUT="3"))
+    with (
+        EventStream(b.socket) as events,
+        Workloads(b, new_id, label=label, script=_script(), namespace=CTR_NAMESPACE) as w,
+    ):
+        box = w.start("b")
+        detail = _fell_back_cold(events, box, checkpoint)
+        assert re.search(r"registry|connect|refused", detail, re.IGNORECASE), detail
+        wait_ticks(box.lines, count=2, timeout=60)  # cold: it runs from the start
+        _nothing_left(b, box)
+    registry.stop()  # reaps the process the wrapper killed
+
+
+def test_a_corrupted_chunk_served_late_kills_the_tasks_and_falls_back(
+    make_node: MakeNode,
+    node_env: dict[str, str],
+    registry: Registry,
+    new_id: NewId,
+    tmp_path: Path,
+) -> None:
+    label = unique_label("lazyrot")
+    a = make_node(node_env)
+    checkpoint, _, _ = _checkpoint_on_a(a, new_id, label)
+    chunk = _late_chunk(a, checkpoint, tmp_path)
+    registry.corrupt_blob(chunk.digest, offset=chunk.size // 2)
+    b = make_node(_lazy_env(node_env))
+    log = ShimLog(b)
+    with (
+        EventStream(b.socket) as events,
+        Workloads(b, new_id, label=label, script=_script(), namespace=CTR_NAMESPACE) as w,
+    ):
+        box = w.start("b")
+        detail = _fell_back_cold(events, box, checkpoint)
+        assert "the registry's pages failed while the tasks ran" in detail, detail
+        assert chunk.digest.removeprefix("sha256:") in detail, detail
+        # Only the lazy-pages daemon asks for that chunk, and only once the tasks run:
+        # the failure came while they ran, and they were killed.
+        assert not log.find("lazy restore: all memory in", container_id=box.cid)
+        wait_ticks(box.lines, count=2, timeout=60)  # cold: it runs from the start
+        _nothing_left(b, box)
