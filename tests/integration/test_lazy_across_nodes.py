@@ -38,6 +38,7 @@ from .harness.containerd import Containerd
 from .harness.cr_events import TOPIC_EXIT, TOPIC_RESTORE, EventStream
 from .harness.cr_support import (
     Box,
+    Counter,
     ShimLog,
     Workloads,
     assert_continues,
@@ -66,7 +67,7 @@ def _script() -> str:
     return counter_script(mem_kib=MEM_KIB, extra=PADSUM, each_tick=CHECK)
 
 
-def _checkpoint_on_a(a: Containerd, new_id: NewId, label: str) -> tuple[str, str, int]:
+def _checkpoint_on_a(a: Containerd, new_id: NewId, label: str) -> tuple[str, str, Counter]:
     """A's container with its 64 MiB, stopped (pushed before its exit is reported):
     (checkpoint id, its memory's md5, its last count)."""
     with (
