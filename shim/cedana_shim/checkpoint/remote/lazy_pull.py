@@ -35,6 +35,7 @@ from cedana_shim.checkpoint.store.layout import (
 from cedana_shim.registry import Registry
 
 from .model import RemoteCheckpoint
+from .ocicrypt import DecryptingWriter
 from .pull import (
     Layers,
     PrivateKeys,
@@ -47,6 +48,20 @@ from .pull import (
 from .signing import Trust
 
 __all__ = ["LazyPull"]
+
+
+class _Kept:
+    """A staged blob's file, and a copy of its bytes in memory (one chunk's worth)."""
+
+    def __init__(self) -> None:
+        self.out: IO[bytes] | None = None
+        self.data = bytearray()
+
+    def write(self, data: bytes) -> int:
+        assert self.out is not None
+        self.out.write(data)
+        self.data += data
+        return len(data)
 
 
 class LazyPull:
@@ -126,12 +141,27 @@ class LazyPull:
             raise
 
     def fetch_chunk(self, chunk: Chunk) -> bytes:
-        """Chunk ``chunk``'s blob: staged (downloaded now unless it is), then read back;
-        the caller checks it again before it uses a byte (page_server.unpack_chunk)."""
+        """Chunk ``chunk``'s blob, staged on the way (or read back when it was staged
+        already); the caller checks it before it uses a byte (page_server.unpack_chunk)."""
         adoption = self._open()
-        if chunk.digest not in adoption.staged:
-            self._stage(chunk.digest, chunk.size)
-        return adoption.read_staged(chunk.digest, chunk.size)
+        if chunk.digest in adoption.staged:
+            return adoption.read_staged(chunk.digest, chunk.size)
+        kept = _Kept()
+        encrypted = self._layers.get(chunk.digest)
+        repo = self.remote.repository
+
+        def fill(out: IO[bytes]) -> None:
+            kept.out = out
+            if encrypted is None:
+                self._client.pull_blob(repo, chunk.digest, chunk.size, kept, max_size=chunk.size)  # type: ignore[arg-type]
+                return
+            key = encrypted.key
+            plain = DecryptingWriter(kept, key.key, key.nonce)  # type: ignore[arg-type]
+            self._client.pull_blob(repo, encrypted.digest, chunk.size, plain, max_size=chunk.size)  # type: ignore[arg-type]
+
+        # Kept in memory as it streams into the staging dir: no read back, no third hash.
+        adoption.write_blob(chunk.digest, chunk.size, fill)
+        return bytes(kept.data)
 
     def commit(self) -> Entry:
         """Every blob staged (any not fetched yet downloaded now), then the checkpoint

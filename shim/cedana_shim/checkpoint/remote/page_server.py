@@ -49,7 +49,7 @@ Fetch = Callable[[Chunk], bytes]  # a chunk's blob, as stored (zstd)
 OnFailure = Callable[[BaseException], None]
 
 URGENT_WORKERS: Final = 4  # faults: each waits for its chunk alone
-PREFETCH_WORKERS: Final = 2  # behind them; few, so that faults find the link free
+PREFETCH_WORKERS: Final = 3  # behind them; fewer, so that faults find the link free
 _FILE_FLAGS: Final = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
