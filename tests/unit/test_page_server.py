@@ -225,6 +225,7 @@ class Served:
         self.sock.close()
         self.server.close()
         self.filler.close()
+        self.server.join()
 
 
 def _recv(sock: socket.socket, n: int) -> bytes:

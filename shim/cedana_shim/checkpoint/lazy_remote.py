@@ -151,7 +151,9 @@ class ServedCheckpoint:
     def close(self) -> None:
         """Stop serving (after the daemon is frozen or gone) and drop what was staged."""
         if self._server is not None:
-            self._server.close()
+            self._server.close()  # hung up: nothing more is sent
         if self._filler is not None:
-            self._filler.close()
+            self._filler.close()  # a chunk the server waits for fails now
+        if self._server is not None:
+            self._server.join()
         self.pull.close()

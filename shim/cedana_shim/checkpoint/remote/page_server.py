@@ -280,7 +280,9 @@ class PageServer:
         return data
 
     def close(self) -> None:
-        """Stop: only once the daemon is frozen or gone (see the module doc)."""
+        """Stop listening and hang up: only once the daemon is frozen or gone (see the
+        module doc). The thread may still wait for a chunk: close the filler, then
+        :meth:`join`."""
         with contextlib.suppress(OSError):
             self._listener.close()
         if self._conn is not None:
@@ -288,8 +290,10 @@ class PageServer:
                 self._conn.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 self._conn.close()
+
+    def join(self) -> None:
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join()
 
 
 def _recv_exactly(conn: socket.socket, n: int) -> bytes | None:
