@@ -15,11 +15,16 @@
    daemon: the tasks run before their pages are in, so the gate waits only for the
    other images, and the pages (``pages-*.img``) are checked while the daemon serves
    them; the restore is done once both are through, and given up (the tasks killed)
-   the moment either fails.
+   the moment either fails. A registry candidate is then not pulled first but served
+   (lazy_remote.py): its small blobs and the pages CRIU reads itself at Create, the
+   rest fetched from the registry as the tasks touch it, checked before it is served,
+   and committed to the store once all is in; a failure of the registry or of a
+   chunk's check before then gives the restore up the same way.
 3. Any failure: record why, undo the attempt, put the rootfs back, prepare the
    next candidate. Raw images that fail their check are discarded and the same
    checkpoint is tried again from its blob when it has one; a lazy attempt that
-   fails otherwise is tried again at once, eagerly. A checkpoint that fails itself
+   fails otherwise is tried again at once, eagerly (a served one: pulled whole, if
+   the registry still has it). A checkpoint that fails itself
    (damaged, its verification, its pull's checks, its restore) gets a failure record
    in the store (store/failures.py): later starts try it after every other candidate
    and retention never keeps it in place of a good one; one this session pulled from
