@@ -71,6 +71,7 @@ from ..errors import (
     FailedPrecondition,
     NotFound,
     ShimError,
+    Unavailable,
 )
 from ..hooks import HookFailed, HookRunner, HookState, Stage
 from ..runtime.criu_stats import restore_stats
@@ -1055,7 +1056,7 @@ async def _restore_served(
         if await _cancel(restoring):
             raise asyncio.CancelledError
         err = served.failed.result()
-        kind = type(err) if isinstance(err, ShimError) else DataLoss
+        kind = _kind(err, Unavailable) if isinstance(err, ShimError | OSError) else DataLoss
         raise kind(f"the registry's pages failed while the tasks ran (they were killed): {err}")
     return restoring.result()
 
