@@ -204,7 +204,7 @@ class Served:
         self.filler = ChunkFiller(str(tmp), pages, self.fetch, self.fail)
         self.server = PageServer(pages, self.filler, self.fail)
         self.server.start()
-        self.sock = socket.create_connection(self.server.address)
+        self.sock = self.server.daemon_end  # what the daemon inherits
         self.sock.settimeout(30)
 
     def fetch(self, chunk: Chunk) -> bytes:
@@ -299,6 +299,14 @@ def test_a_fetch_that_fails_stops_every_answer(served: Served) -> None:
     served.sock.settimeout(0.2)
     with pytest.raises(TimeoutError):
         served.sock.recv(1)
+
+
+def test_the_daemons_end_is_connected_to_the_server_alone(served: Served) -> None:
+    ours = served.server._conn
+    assert served.sock.getpeername() == ours.getsockname()
+    assert ours.getpeername() == served.sock.getsockname()
+    with pytest.raises(ConnectionRefusedError):  # nothing listens any more
+        socket.create_connection(served.sock.getpeername(), timeout=5)
 
 
 def test_a_request_no_pagemap_holds_is_refused_unanswered(served: Served) -> None:

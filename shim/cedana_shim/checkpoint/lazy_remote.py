@@ -107,19 +107,27 @@ class ServedCheckpoint:
             "", sum(x.size for x in layers), MappingProxyType(config.metadata), tuple(layers),
         )  # fmt: skip
 
-    def serve(self) -> tuple[str, int]:
-        """Step 2: the page server's address for the daemon."""
+    def serve(self) -> int:
+        """Step 2: the daemon's end of its connection to the page server (an fd, kept
+        open here until :meth:`handed_over`)."""
         if self._pages is None or self._filler is None:
             raise errors.FailedPrecondition("the served checkpoint was not prepared")
         self._loop = asyncio.get_running_loop()
         self.failed = self._loop.create_future()
         self._server = PageServer(self._pages, self._filler, self._fail)
         self._server.start()
-        return self._server.address
+        return self._server.daemon_end.fileno()
+
+    def handed_over(self) -> None:
+        """The daemon runs with its end of the connection: ours closes."""
+        if self._server is not None:
+            self._server.handed_over()
 
     def resumed(self) -> None:
         """The tasks run: the rest of the pages stream in behind their faults. (Not
-        before: until then nothing faults, and the link is the eager pages'.)"""
+        before: until then nothing faults, and the link is the eager pages'.) The
+        daemon was started long before: our copy of its socket closes."""
+        self.handed_over()
         if self._filler is not None:
             self._filler.start_prefetch()
 

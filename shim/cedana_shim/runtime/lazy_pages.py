@@ -100,13 +100,14 @@ class PagesDaemon:
         container_id: str,
         bundle: str,
         env: Mapping[str, str],
-        page_server: tuple[str, int] | None = None,
+        page_server: int | None = None,
     ) -> PagesDaemon:
         """The daemon, listening on its socket in ``work_dir`` (recorded in ``bundle``
         as the restore's process group); LazyPagesFailed when it cannot be. With
-        ``page_server`` (host, port) it asks that server for the pages instead of
-        reading ``pages-<n>.img`` (checkpoint/remote/page_server.py): the pagemaps
-        stay in ``image_dir``, the pages come over the socket."""
+        ``page_server`` (a connected socket's fd, inherited under its own number) it
+        asks the page server at its other end for the pages instead of reading
+        ``pages-<n>.img`` (checkpoint/remote/page_server.py): the pagemaps stay in
+        ``image_dir``, the pages come over the socket."""
         argv = [
             criu,
             "lazy-pages",
@@ -117,9 +118,9 @@ class PagesDaemon:
             "--log-file",
             LOG_NAME,
         ]
+        passed = [] if page_server is None else [page_server]
         if page_server is not None:
-            host, port = page_server
-            argv += ["--page-server", "--address", host, "--port", str(port)]
+            argv += ["--page-server", "--ps-socket", str(page_server)]
         os.makedirs(work_dir, mode=0o700, exist_ok=True)
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         stderr_fd = os.memfd_create("criu-lazy-pages-stderr", os.MFD_CLOEXEC)
@@ -129,7 +130,7 @@ class PagesDaemon:
                     [*argv, "--status-fd", str(ready_w)],
                     stdout=stderr_fd,
                     stderr=stderr_fd,
-                    pass_fds=(ready_w,),
+                    pass_fds=(ready_w, *passed),
                     env=env,
                     process_group=0,
                 )

@@ -205,42 +205,38 @@ class ChunkFiller:
 
 
 class PageServer:
-    """Answers one lazy-pages daemon's connection from a :class:`ChunkFiller`.
+    """Answers one lazy-pages daemon from a :class:`ChunkFiller`, over a connection
+    nobody else holds: :attr:`daemon_end` is handed to the daemon (``--ps-socket``).
 
-    Listens on ``host`` (loopback: the daemon runs on this node), an ephemeral port.
+    A listening port would let any local process read the checkpoint's memory, or take
+    the daemon's place; so the server connects to itself on loopback, keeps the
+    connection whose peer is its own other end, and stops listening (TCP rather than a
+    socketpair: CRIU sets TCP options on the socket at every request).
     """
 
-    def __init__(
-        self, pages: PageMap, filler: ChunkFiller, on_failure: OnFailure, host: str = "127.0.0.1"
-    ) -> None:
+    def __init__(self, pages: PageMap, filler: ChunkFiller, on_failure: OnFailure) -> None:
         self._pages = pages
         self._filler = filler
         self._on_failure = on_failure
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.bind((host, 0))
-        self._listener.listen(1)
-        self.address: tuple[str, int] = self._listener.getsockname()[:2]
-        self._conn: socket.socket | None = None
+        self._conn, self.daemon_end = _private_connection()
         self._thread: threading.Thread | None = None
         self.closed_by_daemon = threading.Event()  # it said CLOSE: all its pages are in
         self.requests = 0
-        self._failed = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="cedana-page-server", daemon=True)
         self._thread.start()
 
+    def handed_over(self) -> None:
+        """The daemon holds its end now: ours goes, so that its exit reads as EOF."""
+        with contextlib.suppress(OSError):
+            self.daemon_end.close()
+
     def _run(self) -> None:
-        try:
-            conn, _ = self._listener.accept()
-        except OSError:
-            return  # closed before the daemon connected
-        self._conn = conn
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = self._conn
         try:
             self._serve(conn)
         except BaseException as err:
-            self._failed = True
             if not isinstance(err, OSError) or self._filler.failure is None:
                 self._on_failure(err)
 
@@ -280,20 +276,40 @@ class PageServer:
         return data
 
     def close(self) -> None:
-        """Stop listening and hang up: only once the daemon is frozen or gone (see the
-        module doc). The thread may still wait for a chunk: close the filler, then
-        :meth:`join`."""
+        """Hang up: only once the daemon is frozen or gone (see the module doc). The
+        thread may still wait for a chunk: close the filler, then :meth:`join`."""
+        self.handed_over()
         with contextlib.suppress(OSError):
-            self._listener.close()
-        if self._conn is not None:
-            with contextlib.suppress(OSError):
-                self._conn.shutdown(socket.SHUT_RDWR)
-            with contextlib.suppress(OSError):
-                self._conn.close()
+            self._conn.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._conn.close()
 
     def join(self) -> None:
         if self._thread is not None:
             self._thread.join()
+
+
+def _private_connection() -> tuple[socket.socket, socket.socket]:
+    """(our end, the daemon's end) of a loopback TCP connection only we made."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        theirs = socket.create_connection(listener.getsockname()[:2])
+        try:
+            while True:  # another process may connect first: refused
+                ours, peer = listener.accept()
+                if peer == theirs.getsockname():
+                    break
+                ours.close()
+        except BaseException:
+            theirs.close()
+            raise
+    finally:
+        listener.close()
+    for end in (ours, theirs):
+        end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return ours, theirs
 
 
 def _recv_exactly(conn: socket.socket, n: int) -> bytes | None:
