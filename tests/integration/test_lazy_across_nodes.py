@@ -17,13 +17,18 @@ checks it before serving a byte of it.
 - a chunk corrupted in the registry that only the lazy-pages daemon asks for (none of
   the pages CRIU's restore reads itself): the restore gets as far as running tasks,
   the chunk fails its check when it is fetched, the tasks are killed, and the
-  container starts cold (the eager pull of the same checkpoint fails on it too).
+  container starts cold (the eager pull of the same checkpoint fails on it too);
+- the shim SIGKILLed while the tasks wait for pages (the registry frozen as B's
+  lazy-pages daemon starts): the daemon does not take the page server's death for the
+  end of its pages (it holds the server's end of their connection too); containerd's
+  `delete` kills the tasks and the daemon; nothing is left.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +38,7 @@ from cedana_shim.checkpoint.remote.page_map import PageMap
 from cedana_shim.checkpoint.store.layout import Chunk
 
 from .conftest import MakeNode
+from .harness import procs
 from .harness.config import CRIU, CTR_NAMESPACE
 from .harness.containerd import Containerd
 from .harness.cr_events import TOPIC_EXIT, TOPIC_RESTORE, EventStream
@@ -51,14 +57,16 @@ from .harness.cr_support import (
     wait_ticks,
 )
 from .harness.registry import Registry
-from .test_lazy_restore import CHECK, PADSUM, check_memory, lazy_daemons, padsums
+from .harness.util import wait_for
+from .test_lazy_restore import CHECK, PADSUM, _is_workload, check_memory, lazy_daemons, padsums
 
 NewId = Callable[[str], str]
 pytestmark = pytest.mark.ctrd_versions("2.1")  # the shim's own machinery: one version
 MEM_KIB = 64 * 1024
 KILLER = """#!/bin/sh
-# B's criu: the real one; its lazy-pages daemon starts only after the registry is dead.
-[ "$1" = lazy-pages ] && kill -9 {pid}
+# B's criu: the real one; its lazy-pages daemon starts only after the registry got
+# signal {sig}.
+[ "$1" = lazy-pages ] && kill -{sig} {pid}
 exec {real} "$@"
 """
 
@@ -85,6 +93,18 @@ def _checkpoint_on_a(a: Containerd, new_id: NewId, label: str) -> tuple[str, str
         counted = box.ticks()
         assert counted is not None
         return committed.checkpoint_id, padsum, counted
+
+
+def _signalling_criu(registry: Registry, sig: str, tmp_path: Path) -> Path:
+    """A dir holding a `criu` that sends the registry `sig` as the lazy-pages daemon
+    starts (before anything but the pages CRIU's restore reads itself was fetched)."""
+    pid = registry._process.pid if registry._process is not None else 0
+    assert pid
+    wrapped = tmp_path / f"criu-{sig.lower()}"
+    wrapped.mkdir()
+    (wrapped / "criu").write_text(KILLER.format(sig=sig, pid=pid, real=CRIU))
+    (wrapped / "criu").chmod(0o755)
+    return wrapped
 
 
 def _lazy_env(node_env: dict[str, str], **more: str) -> dict[str, str]:
@@ -158,12 +178,7 @@ def test_a_registry_killed_mid_restore_kills_the_tasks_and_falls_back(
     label = unique_label("lazykill")
     a = make_node(node_env)
     checkpoint, _, _ = _checkpoint_on_a(a, new_id, label)
-    pid = registry._process.pid if registry._process is not None else 0
-    assert pid
-    wrapped = tmp_path / "criu-kill"
-    wrapped.mkdir()
-    (wrapped / "criu").write_text(KILLER.format(pid=pid, real=CRIU))
-    (wrapped / "criu").chmod(0o755)
+    wrapped = _signalling_criu(registry, "KILL", tmp_path)
     b = make_node(_lazy_env(node_env, PATH=str(wrapped), CEDANA_REGISTRY_TIMEOUT="3"))
     with (
         EventStream(b.socket) as events,
@@ -204,3 +219,53 @@ def test_a_corrupted_chunk_served_late_kills_the_tasks_and_falls_back(
         assert not log.find("lazy restore: all memory in", container_id=box.cid)
         wait_ticks(box.lines, count=2, timeout=60)  # cold: it runs from the start
         _nothing_left(b, box)
+
+
+def test_a_shim_killed_while_the_tasks_wait_for_the_registry_is_cleaned_up_by_delete(
+    make_node: MakeNode,
+    node_env: dict[str, str],
+    registry: Registry,
+    new_id: NewId,
+    tmp_path: Path,
+) -> None:
+    label = unique_label("lazyshim")
+    a = make_node(node_env)
+    _checkpoint_on_a(a, new_id, label)
+    wrapped = _signalling_criu(registry, "STOP", tmp_path)
+    # Long enough that no fetch gives up while the test holds the registry frozen.
+    b = make_node(_lazy_env(node_env, PATH=str(wrapped), CEDANA_REGISTRY_TIMEOUT="120"))
+    try:
+        with Workloads(b, new_id, label=label, script=_script(), namespace=CTR_NAMESPACE) as w:
+            cid = new_id("b")
+            box = Box(cid, w.logs / f"{cid}.log")
+            w.started.append(box)
+            run = w.ctr.popen(
+                *w.ctr.run_args(
+                    b.images.busybox, cid, "sh", "-c", w.script,
+                    flags=("-d", "--env", f"CEDANA_CHECKPOINT={label}",
+                           "--log-uri", f"file://{box.out}"),
+                )
+            )  # fmt: skip
+
+            def waiting() -> tuple[int, set[int], set[int]] | None:
+                shims = b.shim_pids(CTR_NAMESPACE, cid)
+                daemons = lazy_daemons(*shims)
+                tasks = {p for p in procs.descendants(shims) if _is_workload(p)}
+                if len(shims) == 1 and daemons and tasks:
+                    return next(iter(shims)), daemons, tasks
+                return None
+
+            shim, daemons, tasks = wait_for(
+                waiting, timeout=120, what="b's restored tasks and its lazy-pages daemon"
+            )
+            assert run.poll() is None  # Start waits: the pages cannot all be in
+            os.kill(shim, signal.SIGKILL)
+            run.communicate(timeout=120)
+            wait_for(
+                lambda: not any(procs.pid_alive(p) for p in daemons | tasks),
+                timeout=60,
+                what=f"the daemon {daemons} and the tasks {tasks} to be gone",
+            )
+            w.ctr.remove(cid)
+    finally:
+        registry.resume()

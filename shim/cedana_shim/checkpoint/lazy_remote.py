@@ -107,16 +107,17 @@ class ServedCheckpoint:
             "", sum(x.size for x in layers), MappingProxyType(config.metadata), tuple(layers),
         )  # fmt: skip
 
-    def serve(self) -> int:
-        """Step 2: the daemon's end of its connection to the page server (an fd, kept
-        open here until :meth:`handed_over`)."""
+    def serve(self) -> tuple[int, int]:
+        """Step 2: the fds of the daemon's end of its connection to the page server
+        (kept open here until :meth:`handed_over`) and of the server's end (which the
+        daemon inherits too, see lazy_pages.PagesDaemon.start)."""
         if self._pages is None or self._filler is None:
             raise errors.FailedPrecondition("the served checkpoint was not prepared")
         self._loop = asyncio.get_running_loop()
         self.failed = self._loop.create_future()
         self._server = PageServer(self._pages, self._filler, self._fail)
         self._server.start()
-        return self._server.daemon_end.fileno()
+        return self._server.daemon_end.fileno(), self._server.fileno()
 
     def handed_over(self) -> None:
         """The daemon runs with its end of the connection: ours closes."""

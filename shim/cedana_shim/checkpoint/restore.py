@@ -127,9 +127,10 @@ class RestoreRequest:
     # as soon as they run.
     lazy_pages: bool = False
     resumed: Callable[[], None] = lambda: None
-    # With lazy_pages, a connected socket (fd) to the page server the daemon asks for
-    # the pages (a registry checkpoint, lazy_remote.py); None: it reads image_dir.
-    page_server: int | None = None
+    # With lazy_pages, (the daemon's end, the server's end) of a connection to the
+    # page server the daemon asks for the pages (a registry checkpoint,
+    # lazy_remote.py); None: it reads them from image_dir.
+    page_server: tuple[int, int] | None = None
     # The container the checkpoint was taken of (its metadata's containerId).
     checkpointed_container: str = ""
 

@@ -227,6 +227,10 @@ class PageServer:
         self._thread = threading.Thread(target=self._run, name="cedana-page-server", daemon=True)
         self._thread.start()
 
+    def fileno(self) -> int:
+        """Our end of the connection."""
+        return self._conn.fileno()
+
     def handed_over(self) -> None:
         """The daemon holds its end now: ours goes, so that its exit reads as EOF."""
         with contextlib.suppress(OSError):
