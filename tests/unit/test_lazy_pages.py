@@ -7,6 +7,7 @@ tests/integration/test_lazy_restore.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -31,7 +32,9 @@ argv = sys.argv[1:]
 with open(os.path.join(HERE, "criu.json")) as f:
     control = json.load(f)
 with open(os.path.join(HERE, "criu-calls.jsonl"), "a") as f:
-    f.write(json.dumps({{"argv": argv, "pid": os.getpid(), "pgid": os.getpgid(0)}}) + "\n")
+    fds = sorted(int(n) for n in os.listdir("/proc/self/fd"))
+    call = {{"argv": argv, "pid": os.getpid(), "pgid": os.getpgid(0), "fds": fds}}
+    f.write(json.dumps(call) + "\n")
 status_fd = int(argv[argv.index("--status-fd") + 1])
 before = control.get("before_ready")
 if before == "exit":
@@ -167,6 +170,32 @@ def test_runc_joins_the_daemons_group_which_the_bundle_records_until_every_page_
         assert [v[0] for v in world.verbs()] == ["restore"]  # nothing killed
 
     run_with_reaper(body)
+
+
+def test_a_daemon_fed_by_a_page_server_inherits_both_ends_of_its_connection(
+    world: World,
+) -> None:
+    """--ps-socket names its own end; the server's end is inherited too (unused), so that
+    the server's process dying is no EOF to the daemon (see PagesDaemon.start)."""
+    import socket
+
+    ours, theirs = socket.socketpair()
+
+    async def body(reaper: Reaper) -> None:
+        opts = dataclasses.replace(world.opts(), lazy_page_server=(theirs.fileno(), ours.fileno()))
+        daemon = await world.driver(reaper).restore("c1", opts)
+        assert daemon is not None
+        (criu,) = world.calls("criu")
+        assert criu["argv"][7:10] == ["--page-server", "--ps-socket", str(theirs.fileno())]
+        assert {theirs.fileno(), ours.fileno()} <= set(criu["fds"])
+        (world.dir / "done").touch()
+        await asyncio.wait_for(daemon.wait(), 10)
+
+    try:
+        run_with_reaper(body)
+    finally:
+        ours.close()
+        theirs.close()
 
 
 def test_a_daemon_that_cannot_listen_fails_the_lazy_path_before_runc_runs(world: World) -> None:

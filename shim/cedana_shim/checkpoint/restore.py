@@ -16,11 +16,16 @@
    daemon: the tasks run before their pages are in, so the gate waits only for the
    other images, and the pages (``pages-*.img``) are checked while the daemon serves
    them; the restore is done once both are through, and given up (the tasks killed)
-   the moment either fails.
+   the moment either fails. A registry candidate is then not pulled first but served
+   (lazy_remote.py): its small blobs and the pages CRIU reads itself at Create, the
+   rest fetched from the registry as the tasks touch it, checked before it is served,
+   and committed to the store once all is in; a failure of the registry or of a
+   chunk's check before then gives the restore up the same way.
 3. Any failure: record why, undo the attempt, put the rootfs back, prepare the
    next candidate. Raw images that fail their check are discarded and the same
    checkpoint is tried again from its blob when it has one; a lazy attempt that
-   fails otherwise is tried again at once, eagerly. A checkpoint that fails itself
+   fails otherwise is tried again at once, eagerly (a served one: pulled whole, if
+   the registry still has it). A checkpoint that fails itself
    (damaged, its verification, its pull's checks, its restore) gets a failure record
    in the store (store/failures.py): later starts try it after every other candidate
    and retention never keeps it in place of a good one; one this session pulled from
@@ -67,6 +72,7 @@ from ..errors import (
     FailedPrecondition,
     NotFound,
     ShimError,
+    Unavailable,
 )
 from ..hooks import HookFailed, HookRunner, HookState, Stage
 from ..runtime.criu_stats import restore_stats
@@ -92,6 +98,7 @@ from .store import Entry, Store, priority
 from .tool_versions import Versions
 
 if TYPE_CHECKING:
+    from .lazy_remote import ServedCheckpoint
     from .remote import RemoteCheckpoint, RemoteStore
 
 log = logging.getLogger(__name__)
@@ -121,6 +128,10 @@ class RestoreRequest:
     # as soon as they run.
     lazy_pages: bool = False
     resumed: Callable[[], None] = lambda: None
+    # With lazy_pages, (the daemon's end, the server's end) of a connection to the
+    # page server the daemon asks for the pages (a registry checkpoint,
+    # lazy_remote.py); None: it reads them from image_dir.
+    page_server: tuple[int, int] | None = None
     # The container the checkpoint was taken of (its metadata's containerId).
     checkpointed_container: str = ""
 
@@ -179,6 +190,11 @@ class Plan:
     def recheck(self) -> bool:
         """Read the raw images a second time for their CRC-32s while CRIU reads them?"""
         return self.raw and not self.pulled_raw
+
+    # A registry checkpoint restored lazily as it is pulled (lazy_remote.py): its
+    # pages come from a page server fed by the registry; ``candidate`` is its tag.
+    served: ServedCheckpoint | None = None
+    candidate: RemoteCheckpoint | None = None
 
     @property
     def gpu(self) -> Mapping[str, Any]:
@@ -465,6 +481,12 @@ class RestoreSession:
             if isinstance(candidate, Entry):
                 entry = candidate
             else:
+                if self._lazy_remote(candidate):
+                    plan = await self._prepare_served(candidate, here, host)
+                    if plan is not None:
+                        return plan
+                    if candidate.checkpoint_id not in self._eager_only:
+                        continue  # refused (recorded)
                 pulled = await self._pull(candidate, here, host)
                 if pulled is None:
                     continue
@@ -525,6 +547,108 @@ class RestoreSession:
                 "seconds": round(time.monotonic() - started, 3),
             },
         )
+        return entry
+
+    def _lazy_remote(self, candidate: RemoteCheckpoint) -> bool:
+        """Restore ``candidate`` lazily while it is pulled (lazy_remote.py)?"""
+        return self.config.lazy_restore and candidate.checkpoint_id not in self._eager_only
+
+    async def _prepare_served(
+        self, candidate: RemoteCheckpoint, here: NodeFacts, host: RestoreHost
+    ) -> Plan | None:
+        """``candidate`` ready for a lazy restore from the registry: checked as
+        :meth:`_pull` checks it, its small blobs staged and unpacked, the pages CRIU
+        reads itself in (lazy_remote.py). None when refused (recorded), or when only a
+        full pull can restore it (its pages are not chunks; in ``_eager_only`` then)."""
+        from .lazy_remote import ServedCheckpoint  # the lazy restore's only
+
+        assert self._remote is not None
+        node = candidate.node or f"#{candidate.node_hash}"
+        what = f"{candidate.checkpoint_id} (registry, from node {node})"
+        served: ServedCheckpoint | None = None
+        work = os.path.join(host.bundle, "work", RESTORE_DIR, candidate.checkpoint_id)
+        try:
+            with self.result.timing("pull"):
+                remote = self._remote()
+                metadata = await asyncio.to_thread(remote.fetch_metadata, candidate)
+                facts = RegistryFacts(metadata)
+                while isinstance(verdict := registry_verdict(facts, here), Question):
+                    facts = await self._answer(verdict, facts, host)
+                if verdict is not None:
+                    self._refuse(verdict.kind, what, verdict.why)
+                    return None
+                await asyncio.to_thread(shutil.rmtree, work, True)
+                served = ServedCheckpoint(remote.lazy_pull(candidate), os.path.join(work, "images"))
+                await asyncio.to_thread(served.prepare)
+            if not served.chunked():
+                served.close()
+                self._eager_only.add(candidate.checkpoint_id)  # one blob: pulled whole
+                return None
+            entry = served.entry()
+            refusal = entry_refusal(entry, here)
+            if refusal is not None:
+                served.close()
+                self._refuse(refusal.kind, what, refusal.why)
+                return None
+            network = await host.network_facts()
+            with self.result.timing("unpack"):
+                device_map = await asyncio.to_thread(self._gpu_mapping, entry.metadata, host.spec)
+                await asyncio.to_thread(self._apply_served_files, served, host)
+        except (ShimError, OSError) as err:
+            if served is not None:
+                await asyncio.to_thread(served.close)
+            await asyncio.to_thread(shutil.rmtree, work, True)
+            await host.reset_rootfs()
+            self._refuse(_kind(err, DataLoss), what, f"cannot pull it: {err}")
+            if isinstance(err, DataLoss):  # what the registry holds is bad, not the link
+                await asyncio.to_thread(
+                    self._failed, candidate.checkpoint_id, str(err), tag=candidate.tag
+                )
+            return None
+        return Plan(
+            entry,
+            served.image_dir,
+            os.path.join(work, "criu-work"),
+            keep_tcp=tcp_can_live(entry.metadata.get("network"), network),
+            gpu_device_map=device_map,
+            served=served,
+            candidate=candidate,
+        )
+
+    def _apply_served_files(self, served: ServedCheckpoint, host: RestoreHost) -> None:
+        """The rootfs diff and /dev/shm of a served checkpoint, from its staged blobs."""
+        names = {layer.name for layer in served.entry().layers}
+        targets = [(ROOTFS_LAYER, host.rootfs, apply)]
+        shm = shm_source(host.spec)
+        if shm is not None:
+            targets.append((SHM_LAYER, shm, apply_dir))
+        for name, dest, apply_layer in targets:
+            if name in names:
+                with served.pull.open_layer(name) as stream:
+                    apply_layer(
+                        stream,  # type: ignore[arg-type]
+                        dest,
+                        spool_dir=self.store.reader.spool_dir(),
+                        expected_bytes=served.pull.layer(name).raw_size,
+                    )
+
+    def _commit_served(self, plan: Plan) -> Entry:
+        """A served checkpoint restored: into the store as a pull would have put it
+        (logged when it cannot be: the restore stands). Blocking."""
+        assert plan.served is not None and plan.candidate is not None
+        try:
+            entry = plan.served.commit()
+        except (ShimError, OSError) as err:
+            log.warning(
+                "restored lazily from the registry, but cannot keep the checkpoint in the store",
+                extra={
+                    "container": self.container_id,
+                    "checkpoint": plan.entry.id,
+                    "error": str(err),
+                },
+            )
+            return plan.entry
+        self._pulled[entry.id] = plan.candidate
         return entry
 
     async def _answer(
@@ -660,10 +784,12 @@ class RestoreSession:
                     self._remaining.insert(0, retry)
             except (ShimError, OSError) as err:
                 if self._lazy(plan):
-                    # The lazy path (the daemon, userfaultfd) may be all that failed.
+                    # The lazy path (the daemon, userfaultfd, the registry feeding it)
+                    # may be all that failed: the same checkpoint eagerly (a served
+                    # one pulled whole first, if the registry still has it).
                     self._skip(plan.entry.id, f"lazy restore failed, restoring eagerly: {err}")
                     self._eager_only.add(plan.entry.id)
-                    self._remaining.insert(0, plan.entry)
+                    self._remaining.insert(0, plan.candidate or plan.entry)
                 else:
                     kind = _kind(err, FailedPrecondition)
                     self._refuse(kind, plan.entry.id, f"restore failed: {err}")
@@ -673,10 +799,15 @@ class RestoreSession:
             else:
                 self.result.checkpoint_id = plan.entry.id
                 self.result.memory = "lazy" if self._lazy(plan) else "eager"
-                await asyncio.to_thread(self._record, plan.entry)
+                entry = plan.entry
+                if plan.served is not None:
+                    entry = await asyncio.to_thread(self._commit_served, plan)
+                await asyncio.to_thread(self._record, entry)
                 self._finish()
                 return pid
             finally:
+                if plan.served is not None:  # the daemon is done or gone by now
+                    await asyncio.to_thread(plan.served.close)
                 _discard_work(plan)
             await host.reset_rootfs()
             plan = self.plan = await self._prepare_next(host)
@@ -806,19 +937,24 @@ class RestoreSession:
             checking = asyncio.get_running_loop().create_task(
                 self._check_raw(plan, verdict, resumed if lazy else None)
             )
+        page_server = None if plan.served is None else plan.served.serve()
         request = RestoreRequest(
             image_dir=plan.image_dir,
             work_dir=plan.work_dir,
             tcp_established=plan.keep_tcp and self.config.tcp_established,
             file_locks=self.config.file_locks,
             lazy_pages=lazy,
-            resumed=resumed.set,
+            resumed=resumed.set if plan.served is None else _both(resumed.set, plan.served.resumed),
             checkpointed_container=str(plan.entry.metadata.get("containerId") or ""),
+            page_server=page_server,
         )
         try:
             try:
                 async with asyncio.timeout(self.config.restore_timeout):
-                    pid = await _restore_checked(host, request, checking)
+                    if plan.served is not None:
+                        pid = await _restore_served(host, request, plan.served)
+                    else:
+                        pid = await _restore_checked(host, request, checking)
             except TimeoutError:
                 raise DeadlineExceeded(
                     f"CRIU did not finish within restore_timeout ({self.config.restore_timeout:g}s)"
@@ -920,6 +1056,37 @@ async def _restore_checked(
             raise asyncio.CancelledError
         checking.result()
     return restoring.result()
+
+
+async def _restore_served(
+    host: RestoreHost, request: RestoreRequest, served: ServedCheckpoint
+) -> int:
+    """``host.restore_images`` fed by ``served``'s page server; given up (its tasks
+    killed, the daemon frozen first) as soon as the server fails: a chunk the registry
+    cannot give, or that does not verify, is never a page a task reads."""
+    assert served.failed is not None
+    restoring = asyncio.ensure_future(host.restore_images(request))
+    waiting: list[asyncio.Future[Any]] = [restoring, served.failed]
+    try:
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled (a Kill, the deadline): the restore goes too
+        await _cancel(restoring)
+        raise
+    if not restoring.done():
+        if await _cancel(restoring):
+            raise asyncio.CancelledError
+        err = served.failed.result()
+        kind = _kind(err, Unavailable) if isinstance(err, ShimError | OSError) else DataLoss
+        raise kind(f"the registry's pages failed while the tasks ran (they were killed): {err}")
+    return restoring.result()
+
+
+def _both(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    def call() -> None:
+        first()
+        then()
+
+    return call
 
 
 async def _cancel(task: asyncio.Future[Any]) -> bool:

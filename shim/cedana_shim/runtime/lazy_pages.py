@@ -100,9 +100,18 @@ class PagesDaemon:
         container_id: str,
         bundle: str,
         env: Mapping[str, str],
+        page_server: tuple[int, int] | None = None,
     ) -> PagesDaemon:
         """The daemon, listening on its socket in ``work_dir`` (recorded in ``bundle``
-        as the restore's process group); LazyPagesFailed when it cannot be."""
+        as the restore's process group); LazyPagesFailed when it cannot be. With
+        ``page_server`` (the fds of both ends of a connection, inherited under their
+        own numbers) it asks the page server at the other end of the first for the
+        pages instead of reading ``pages-<n>.img`` (checkpoint/remote/page_server.py):
+        the pagemaps stay in ``image_dir``, the pages come over the socket. The
+        server's end is inherited too, never used: should this process die, the
+        daemon's connection sees no EOF (which would end the daemon and leave every
+        page not copied yet zero); it waits, a faulting task waits, and ``delete``
+        kills them as after any shim's death."""
         argv = [
             criu,
             "lazy-pages",
@@ -113,6 +122,9 @@ class PagesDaemon:
             "--log-file",
             LOG_NAME,
         ]
+        passed = [] if page_server is None else list(page_server)
+        if page_server is not None:
+            argv += ["--page-server", "--ps-socket", str(page_server[0])]
         os.makedirs(work_dir, mode=0o700, exist_ok=True)
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         stderr_fd = os.memfd_create("criu-lazy-pages-stderr", os.MFD_CLOEXEC)
@@ -122,7 +134,7 @@ class PagesDaemon:
                     [*argv, "--status-fd", str(ready_w)],
                     stdout=stderr_fd,
                     stderr=stderr_fd,
-                    pass_fds=(ready_w,),
+                    pass_fds=(ready_w, *passed),
                     env=env,
                     process_group=0,
                 )

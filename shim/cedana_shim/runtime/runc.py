@@ -276,6 +276,10 @@ class RestoreOpts:
     empty_ns: tuple[str, ...] = ()
     manage_cgroups_mode: str | None = None
     lazy_pages: bool = False
+    # With lazy_pages: (the daemon's end, the server's end) of a connection to the
+    # page server the lazy-pages daemon asks; not runc's option, the daemon's (see
+    # lazy_pages.PagesDaemon.start).
+    lazy_page_server: tuple[int, int] | None = None
     auto_dedup: bool = False
     lsm_profile: str | None = None
     stdio: Stdio | None = None
@@ -502,6 +506,7 @@ class Runc:
                 container_id=id,
                 bundle=opts.bundle,
                 env=_child_env(),
+                page_server=opts.lazy_page_server,
             )
         running = self._run(
             "restore",

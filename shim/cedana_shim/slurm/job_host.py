@@ -141,6 +141,7 @@ class JobHost:
                     ext_unix_sk=request.ext_unix_sk,
                     file_locks=request.file_locks,
                     lazy_pages=request.lazy_pages,
+                    lazy_page_server=request.page_server,
                     stdio=io.stdio,
                 ),
             )

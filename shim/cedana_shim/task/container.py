@@ -274,6 +274,7 @@ class Container:
                     ext_unix_sk=request.ext_unix_sk,
                     file_locks=request.file_locks,
                     lazy_pages=request.lazy_pages,
+                    lazy_page_server=request.page_server,
                     stdio=stdio,
                 ),
                 keep_log_in=criu_logs_path(self.cr.pipeline.store.root) if self.cr else None,

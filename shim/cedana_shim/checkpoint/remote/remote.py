@@ -60,6 +60,8 @@ if TYPE_CHECKING:
     from cedana_shim.checkpoint.store import Entry, Store
     from cedana_shim.config import NodeConfig
 
+    from .lazy_pull import LazyPull
+
 __all__ = ["UPLOAD_WORKERS", "OnCompacted", "RemoteStore"]
 
 log = logging.getLogger(__name__)
@@ -356,6 +358,15 @@ class RemoteStore:
             pass
         return pull_into(
             self.store.adopter, self.client, remote, progress, self.trust, self.encryption.private
+        )
+
+    def lazy_pull(self, remote: RemoteCheckpoint) -> LazyPull:
+        """A pull of ``remote`` whose page chunks come on demand (lazy_pull.py); not
+        begun yet."""
+        from .lazy_pull import LazyPull  # the lazy restore's only
+
+        return LazyPull(
+            self.store.adopter, self.client, remote, self.trust, self.encryption.private
         )
 
     # -- prune --------------------------------------------------------------------------
