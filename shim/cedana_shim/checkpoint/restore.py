@@ -520,12 +520,7 @@ class RestoreSession:
         try:
             with self.result.timing("pull"):
                 remote = self._remote()
-                metadata = await asyncio.to_thread(remote.fetch_metadata, candidate)
-                facts = RegistryFacts(metadata)
-                while isinstance(verdict := registry_verdict(facts, here), Question):
-                    facts = await self._answer(verdict, facts, host)
-                if verdict is not None:
-                    self._refuse(verdict.kind, what, verdict.why)
+                if not await self._admitted(remote, candidate, what, here, host):
                     return None
                 started = time.monotonic()
                 entry = await asyncio.to_thread(remote.pull, candidate)
@@ -549,6 +544,25 @@ class RestoreSession:
         )
         return entry
 
+    async def _admitted(
+        self,
+        remote: RemoteStore,
+        candidate: RemoteCheckpoint,
+        what: str,
+        here: NodeFacts,
+        host: RestoreHost,
+    ) -> bool:
+        """Can this node take ``candidate``, judged on its metadata before anything
+        large is downloaded (versions, the image, the CPU's features, the GPUs)? A
+        refusal is recorded."""
+        facts = RegistryFacts(await asyncio.to_thread(remote.fetch_metadata, candidate))
+        while isinstance(verdict := registry_verdict(facts, here), Question):
+            facts = await self._answer(verdict, facts, host)
+        if verdict is not None:
+            self._refuse(verdict.kind, what, verdict.why)
+            return False
+        return True
+
     def _lazy_remote(self, candidate: RemoteCheckpoint) -> bool:
         """Restore ``candidate`` lazily while it is pulled (lazy_remote.py)?"""
         return self.config.lazy_restore and candidate.checkpoint_id not in self._eager_only
@@ -570,12 +584,7 @@ class RestoreSession:
         try:
             with self.result.timing("pull"):
                 remote = self._remote()
-                metadata = await asyncio.to_thread(remote.fetch_metadata, candidate)
-                facts = RegistryFacts(metadata)
-                while isinstance(verdict := registry_verdict(facts, here), Question):
-                    facts = await self._answer(verdict, facts, host)
-                if verdict is not None:
-                    self._refuse(verdict.kind, what, verdict.why)
+                if not await self._admitted(remote, candidate, what, here, host):
                     return None
                 await asyncio.to_thread(shutil.rmtree, work, True)
                 served = ServedCheckpoint(remote.lazy_pull(candidate), os.path.join(work, "images"))
