@@ -1,6 +1,6 @@
 """A page server for CRIU's lazy-pages daemon, fed from a checkpoint's chunks.
 
-``criu lazy-pages --page-server --address A --port P`` (runtime/lazy_pages.py)
+``criu lazy-pages --page-server --ps-socket FD`` (runtime/lazy_pages.py)
 answers its tasks' page faults, and then copies the rest of their memory, with
 pages it asks a page server for (page_protocol.py) rather than reading them from
 ``pages-<n>.img``. This is that server, for a checkpoint still in the registry: each
