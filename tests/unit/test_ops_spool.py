@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,32 @@ def test_the_observer_thread_outlives_a_failing_round() -> None:
     thread.join(timeout=10)
     assert not thread.is_alive()
     assert rounds == [0, 1, 2]
+
+
+def test_the_history_outlives_the_agent(tmp_path: Path) -> None:
+    """A new agent (a restart, a new pod of the DaemonSet) starts with the history the
+    last one kept in the store, bounded as the deque is, the newest last."""
+    store = StoreConfig(root=str(tmp_path))
+    for n in range(3):
+        oplog.write(str(tmp_path), record(checkpoint_id=f"ck{n}"))
+    first: deque[dict[str, Any]] = deque(maxlen=2)
+    assert OpsObserver(None, AgentMetrics(), "node-1", first).round(store) == 3
+    assert [h["checkpoint_id"] for h in first] == ["ck1", "ck2"]
+
+    oplog.write(str(tmp_path), record(kind=oplog.RESTORE, outcome="restored", checkpoint_id="ck3"))
+    later: deque[dict[str, Any]] = deque(maxlen=2)
+    assert OpsObserver(None, AgentMetrics(), "node-1", later).round(store) == 1
+    assert [(h["checkpoint_id"], h["node"]) for h in later] == [
+        ("ck2", "node-1"),
+        ("ck3", "node-1"),
+    ]
+    assert stat.S_IMODE(os.stat(tmp_path / oplog.SPOOL_DIR / "history.jsonl").st_mode) == 0o600
+
+
+def test_an_unreadable_history_is_an_empty_one(tmp_path: Path) -> None:
+    spool = tmp_path / oplog.SPOOL_DIR
+    spool.mkdir()
+    (spool / "history.jsonl").write_bytes(b'not json\n[1]\n{"checkpoint_id": "ok"}\n')
+    history: deque[dict[str, Any]] = deque(maxlen=5)
+    OpsObserver(None, AgentMetrics(), "node-1", history).round(StoreConfig(root=str(tmp_path)))
+    assert list(history) == [{"checkpoint_id": "ok"}]

@@ -6,12 +6,18 @@ metrics, then deletes it. An API server that cannot be reached (or answers 5xx)
 ends the round with the record kept, so its Events are posted by a later round and
 it is counted once, when it is consumed; one the API server refuses (4xx) is
 logged and consumed. The store's size, count and pending pushes are read too.
+
+The records consumed lately are the agent's history (its API's ``recent``: the
+dashboard's restores, fall-backs and failures). It is kept in the store beside the
+spool, ``ops/history.jsonl`` (the newest last, rewritten whole after a round that
+consumed any), so an agent that restarts, or a new pod of it, shows what came before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 from collections import deque
@@ -20,7 +26,7 @@ from typing import Any
 
 from ..checkpoint import oplog
 from ..checkpoint.remote import Outbox
-from ..checkpoint.store import Store, StoreConfig
+from ..checkpoint.store import Store, StoreConfig, fsutil
 from ..config import load_node_config
 from ..errors import ShimError
 from .hostfs import HostRoot
@@ -31,6 +37,8 @@ from .metrics import AgentMetrics
 log = logging.getLogger(__name__)
 
 MAX_RECORD_BYTES = 1 << 20
+HISTORY_FILE = "history.jsonl"  # in the spool's directory (oplog.spool_path)
+MAX_HISTORY_BYTES = 16 << 20
 
 
 def node_store(host: HostRoot, shim_config: str) -> StoreConfig | None:
@@ -51,6 +59,7 @@ class OpsObserver:
     node: str
     # The operations consumed lately, newest last, for the agent's API (agent_api.py).
     history: deque[dict[str, Any]] | None = None
+    _history_read: bool = dataclasses.field(default=False, init=False)
 
     def round(self, store: StoreConfig) -> int:
         """Refresh the store's gauges and consume the spool; the records consumed.
@@ -62,7 +71,11 @@ class OpsObserver:
         return self.consume(oplog.spool_path(store.root))
 
     def consume(self, spool: str) -> int:
+        if self.history is not None and not self._history_read and os.path.isdir(spool):
+            self._history_read = True
+            self.history.extendleft(reversed(read_history(spool, self.history.maxlen)))
         done = 0
+        kept = 0
         for name in oplog.records(spool):
             path = os.path.join(spool, name)
             record = self._read(path)
@@ -75,9 +88,12 @@ class OpsObserver:
                 self.metrics.observe(record)
                 if self.history is not None:
                     self.history.append({**dataclasses.asdict(record), "node": self.node})
+                    kept += 1
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             done += 1
+        if kept and self.history is not None:
+            write_history(spool, self.history)
         self._take_dropped(spool)
         return done
 
@@ -141,3 +157,39 @@ class OpsObserver:
         cached = sum(e.raw_bytes for e in entries if e.state == "compacted")
         self.metrics.store_bytes.set(sum(e.size for e in entries) + cached)
         self.metrics.pending_pushes.set(len(pending))
+
+
+def read_history(spool: str, most: int | None) -> list[dict[str, Any]]:
+    """The history an earlier agent kept (oldest first, at most ``most``); [] when
+    there is none or it cannot be read (logged: the history is a convenience)."""
+    try:
+        fd = os.open(spool, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            data = fsutil.read_file_at(fd, HISTORY_FILE, MAX_HISTORY_BYTES, path=spool)
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        return []
+    except (OSError, ShimError) as err:
+        log.warning("cannot read the agent's history in %s: %s", spool, err)
+        return []
+    items: list[dict[str, Any]] = []
+    for line in data.splitlines():
+        with contextlib.suppress(ValueError):
+            item = json.loads(line)
+            if isinstance(item, dict):
+                items.append(item)
+    return items[-most:] if most else items
+
+
+def write_history(spool: str, history: deque[dict[str, Any]]) -> None:
+    """Replace the kept history with ``history`` (a failure is logged, not raised)."""
+    data = "".join(json.dumps(item, separators=(",", ":")) + "\n" for item in history)
+    try:
+        fd = os.open(spool, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fsutil.write_file_atomic(fd, HISTORY_FILE, data.encode())
+        finally:
+            os.close(fd)
+    except OSError as err:
+        log.warning("cannot keep the agent's history in %s: %s", spool, err)
