@@ -9,10 +9,10 @@ candidate when ``lazy_restore`` is on and the checkpoint's page images are chunk
    (remote/page_map.py).
 2. :meth:`ServedCheckpoint.serve` (at Start): the page server (remote/page_server.py)
    makes one private loopback connection to itself (it listens only until then, and
-   keeps no connection but its own), whose other end ``criu lazy-pages --page-server --ps-socket FD`` inherits
-   (runtime/lazy_pages.py);
-   once the tasks run (:meth:`ServedCheckpoint.resumed`) the prefetcher fills the rest
-   in address order behind their faults. A failure of either (a registry that fails, a chunk
+   keeps no connection but its own), whose other end ``criu lazy-pages --page-server
+   --ps-socket FD`` inherits (runtime/lazy_pages.py); once the tasks run
+   (:meth:`ServedCheckpoint.resumed`) the prefetcher fills the rest in address order
+   behind their faults. A failure of either (a registry that fails, a chunk
    that does not verify) sets :attr:`ServedCheckpoint.failed`: the session then
    abandons the restore, the tasks killed before the server closes.
 3. :meth:`ServedCheckpoint.commit` once the daemon is done: the rest of the chunks
