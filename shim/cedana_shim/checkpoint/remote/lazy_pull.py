@@ -38,11 +38,11 @@ from .model import RemoteCheckpoint
 from .ocicrypt import DecryptingWriter
 from .pull import (
     Layers,
+    Meter,
     PrivateKeys,
-    _check_space,
-    _download,
-    _Meter,
     check_sizes,
+    check_space,
+    download_blob,
     read_manifest,
 )
 from .signing import Trust
@@ -90,7 +90,7 @@ class LazyPull:
         self.manifest: Manifest | None = None
         self.config: Config | None = None
         self._layers: Layers = {}
-        self._meter = _Meter(0, None)
+        self._meter = Meter(0, None)
 
     def begin(self) -> None:
         """Read and check the manifest, stage the config and every layer's own blob;
@@ -106,7 +106,7 @@ class LazyPull:
         self._adoption = adoption
         blobs = manifest_blobs(manifest)
         missing = {d: s for d, s in blobs.items() if not adoption.link_existing(d, s)}
-        _check_space(self._adopter.root, sum(missing.values()), self.remote)
+        check_space(self._adopter.root, sum(missing.values()), self.remote)
         cdesc = manifest.config
         self._stage(cdesc.digest, cdesc.size)
         self.config = parse_config(
@@ -181,7 +181,7 @@ class LazyPull:
         adoption = self._open()
         if digest in adoption.staged:
             return
-        _download(
+        download_blob(
             self._client,
             self.remote.repository,
             adoption,

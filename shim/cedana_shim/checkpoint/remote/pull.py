@@ -60,9 +60,12 @@ Layers: TypeAlias = dict[str, EncryptedLayer]  # plain digest -> the registry's 
 __all__ = [
     "DOWNLOAD_WORKERS",
     "MAX_BLOB_BYTES",
+    "Meter",
     "Progress",
     "check_config",
     "check_sizes",
+    "check_space",
+    "download_blob",
     "download_order",
     "pull_into",
     "read_manifest",
@@ -149,7 +152,7 @@ def _free_bytes(root: str) -> int:
         raise errors.Internal(f"checking free space in {root}: {err}") from err
 
 
-def _check_space(root: str, need: int, remote: RemoteCheckpoint) -> int:
+def check_space(root: str, need: int, remote: RemoteCheckpoint) -> int:
     """The bytes free beyond ``need`` and the margin; ResourceExhausted if there are none."""
     free = _free_bytes(root)
     if need + FREE_MARGIN_BYTES > free:
@@ -161,7 +164,7 @@ def _check_space(root: str, need: int, remote: RemoteCheckpoint) -> int:
     return free - need - FREE_MARGIN_BYTES
 
 
-class _Meter:
+class Meter:
     """Bytes done across parallel downloads, for one progress callback."""
 
     def __init__(self, total: int, progress: Progress | None) -> None:
@@ -197,11 +200,11 @@ def pull_into(
     blobs = manifest_blobs(manifest)
     with adopter.begin_adoption(remote.checkpoint_id) as adoption:
         missing = {d: s for d, s in blobs.items() if not adoption.link_existing(d, s)}
-        spare = _check_space(adopter.root, sum(missing.values()), remote)
-        meter = _Meter(sum(missing.values()), progress)
+        spare = check_space(adopter.root, sum(missing.values()), remote)
+        meter = Meter(sum(missing.values()), progress)
         cdesc = manifest.config
         if cdesc.digest in missing:
-            _download(client, repo, adoption, cdesc.digest, cdesc.size, meter, layers)
+            download_blob(client, repo, adoption, cdesc.digest, cdesc.size, meter, layers)
         config = _parse_config(adoption.read_staged(cdesc.digest, MAX_CONFIG_BYTES), ref, where)
         cache = adoption.cache_layer(manifest, config)
         if cache is not None and cache.raw_size <= spare:
@@ -211,7 +214,7 @@ def pull_into(
             # Chunks the store had: into the cache while the others download.
             futures = [pool.submit(adoption.fill_cache, d) for d in blobs if d not in missing]
             futures += [
-                pool.submit(_download, client, repo, adoption, d, missing[d], meter, layers)
+                pool.submit(download_blob, client, repo, adoption, d, missing[d], meter, layers)
                 for d in rest
             ]
             try:
@@ -239,13 +242,13 @@ def download_order(manifest: Manifest, missing: Mapping[str, int]) -> list[str]:
     return list(order)
 
 
-def _download(
+def download_blob(
     client: Registry,
     repo: str,
     adoption: Adoption,
     digest: str,
     size: int,
-    meter: _Meter,
+    meter: Meter,
     layers: Layers,
 ) -> None:
     """Blob ``digest`` into the staging dir; an encrypted layer's blob decrypted on the
