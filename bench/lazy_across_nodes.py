@@ -30,7 +30,6 @@ import json
 import subprocess
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +70,7 @@ from restore_scaling import (  # noqa: E402
     Timeline,
     _run_args,
     beat_at,
+    print_sample,
     room_for,
     settle,
     wait,
@@ -191,13 +191,7 @@ def main() -> int:
                         warm = i >= args.warmup
                         if warm:
                             samples[str(mib)][side].append(r)
-                        print(
-                            f"{datetime.now():%H:%M:%S} {mib} MiB run {i + 1} {side}"
-                            f"{'' if warm else ' (warm-up)'}: first beat "
-                            f"{r['first_beat_s']:.3f}s, returned {r['returned_s']:.3f}s, "
-                            f"verified {r['verified_s']:.3f}s (load {r['load_1m']:.2f})",
-                            flush=True,
-                        )
+                        print_sample(mib, i, side, warm, r)
     finally:
         cleanup.run()
 

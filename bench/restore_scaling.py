@@ -355,6 +355,17 @@ def one_sample(
     return out
 
 
+def print_sample(mib: int, i: int, side: str, warm: bool, r: dict[str, Any]) -> None:
+    """One sample's line, as it is taken."""
+    print(
+        f"{datetime.now():%H:%M:%S} {mib} MiB run {i + 1} {side}"
+        f"{'' if warm else ' (warm-up)'}: first beat "
+        f"{r['first_beat_s']:.3f}s, returned {r['returned_s']:.3f}s, "
+        f"verified {r['verified_s']:.3f}s (load {r['load_1m']:.2f})",
+        flush=True,
+    )
+
+
 def main() -> int:
     parser = base_parser(__doc__ or "", default_runs=5)
     parser.add_argument("--sizes", default="1024,4096,8192", help="MiB the workload fills")
@@ -405,13 +416,7 @@ def main() -> int:
                         warm = i >= args.warmup
                         if warm:
                             samples[str(mib)][side].append(r)
-                        print(
-                            f"{datetime.now():%H:%M:%S} {mib} MiB run {i + 1} {side}"
-                            f"{'' if warm else ' (warm-up)'}: first beat "
-                            f"{r['first_beat_s']:.3f}s, returned {r['returned_s']:.3f}s, "
-                            f"verified {r['verified_s']:.3f}s (load {r['load_1m']:.2f})",
-                            flush=True,
-                        )
+                        print_sample(mib, i, side, warm, r)
     finally:
         cleanup.run()
         os.environ.pop("CEDANA_CONFIG", None)
