@@ -1,18 +1,20 @@
 """Checkpoints across nodes through an OCI registry: what the registry costs, side by
 side with the same node keeping its checkpoints to itself.
 
-    python bench/across_nodes.py [--runs 5] [--warmup 1] [--mem-mib 1024] [--shared-dir]
-                                 [--containerd 1.6|1.7|2.1] [--out results.json] [--keep]
+    python bench/across_nodes.py [--runs 5] [--warmup 1] [--mem-mib 1024] [--lazy-mib 4096]
+                                 [--shared-dir] [--containerd 1.6|1.7|2.1]
+                                 [--out results.json] [--keep]
 
 ``--shared-dir``: A and B share a directory (``registry`` = its path, see
 checkpoint/remote/shared_dir.py) instead of the registry: the same push, pull and
 checks, with no registry process on the host's CPUs.
 
-Three containerds of this run share the host ("nodes": separate roots, stores, shims
+Four containerds of this run share the host ("nodes": separate roots, stores, shims
 and logs, the same disk): L without `registry`, A and B with `registry` set to one
 real registry on loopback (Debian's docker-registry with TLS from a throwaway CA and
-htpasswd auth, as tests/integration/test_across_nodes.py runs it), `registry_sync =
-before-exit`. The workload is bench/memhog.c with N MiB of touched memory (see
+htpasswd auth, as tests/integration/test_across_nodes.py runs it, see _registry.py),
+`registry_sync = before-exit`, and B-lazy, B's twin with `lazy_restore = true` (none
+with `--lazy-mib 0`). The workload is bench/memhog.c with N MiB of touched memory (see
 bench/checkpoint_restore.py for the image). Each run, under a label of its own, with
 `sync` and a pause before every timed step and the order of the two sides of (a) and
 of (b) swapped in odd runs:
@@ -37,11 +39,16 @@ of (b) swapped in odd runs:
     (memhog's SIGUSR1) and is stopped again: bytes the registry's storage grew by in
     that second push / in the first one, and which blobs were new (from the two
     manifests in the registry).
+(e) with `--lazy-mib N` (default 4096, issue 30's target 2): A runs a workload of N
+    MiB and stops it (pushed before the exit); B-lazy runs the next container of its
+    label: `ctr run -d` -> the workload's first heartbeat (time to first instruction),
+    -> `ctr run` returns (every page is in), -> memhog's checksum of its memory
+    verified (see lazy_across_nodes.py, whose steps it runs).
 
 CPU (issue 30, target 4): during each of those steps, the CPU seconds the registry
 process and each node's processes spend (CpuMeter: /proc/<pid>/stat, children reaped
 included), per GiB of memory, beside the ratios. The summary ends with issue 30's
-targets 1-3: 1 is (b), 3 is (a), 2 (a lazy restore on B) when the run measured it.
+targets 1-3: 1 is (b), 2 is (e), 3 is (a).
 
 No stop comes within LEFTOVERS_DELAY (+1.5 s) of its container's Create: the daemon's
 leftovers sweep would race the stop's push (see Node.after_leftovers_sweep).
@@ -87,11 +94,8 @@ from _common import (
 
 ensure_venv()
 
+from _registry import Remote, shared_directory, start_registry  # noqa: E402
 from cedana_shim.checkpoint.delivery import LEFTOVERS_DELAY  # noqa: E402
-from cedana_shim.checkpoint.remote.shared_dir import SharedDirectory  # noqa: E402
-from cedana_shim.checkpoint.remote.tags import parse_tag  # noqa: E402
-from cedana_shim.registry import Registry as RegistryLike  # noqa: E402
-from cedana_shim.registry import RegistryClient, RegistryConfig  # noqa: E402
 from checkpoint_restore import (  # noqa: E402
     CEDANA_CLI,
     MIB,
@@ -103,94 +107,20 @@ from checkpoint_restore import (  # noqa: E402
     build_image,
     build_memhog,
     check_resumed,
-    du_bytes,
     read_beat,
     read_verify,
     run,
     wait_filled,
     wait_until,
 )
-
-from tests.integration.harness.registry import (  # noqa: E402
-    PASSWORD,
-    USER,
-    Registry,
-    make_test_ca,
-    write_auth_file,
-)
+from lazy_across_nodes import checkpoint_on_a, restore_on  # noqa: E402
+from restore_scaling import room_for  # noqa: E402
 
 TIME_TARGET = 1.5  # (a) and (b): registry side / local side
 LAZY_TARGET_S = 1.5  # issue 30 target 2: ctr run -> first beat on B, lazy, 4 GiB
 MEMORY_TARGET_MIB = 64.0
 DELTA_TARGET = 0.15
-PREFIX = "cedana"
 MB = 1e6  # throughput in MB/s, as registries and networks count
-
-
-# -- the registry ----------------------------------------------------------------------
-
-
-@dataclass
-class Remote:
-    client: RegistryLike
-    blobs: Path  # where its blobs lie on this host (its storage, for their bytes)
-    registry: Registry | None = None  # None: a shared directory, no registry process
-
-    @property
-    def repo(self) -> str:
-        return self.client.repository_for(NAMESPACE)
-
-    def complete_tags(self) -> dict[str, str]:
-        """Checkpoint id -> its tag, for every complete (not in-flight) one."""
-        tags = ((t, parse_tag(t)) for t in self.client.list_tags(self.repo))
-        return {p.checkpoint_id: t for t, p in tags if p is not None and not p.pending}
-
-    def layers(self, checkpoint_id: str) -> dict[str, tuple[str, int]]:
-        """A pushed checkpoint's blobs, from its manifest in the registry: digest ->
-        (what it is: a layer's title, or a chunk's "<file>@<offset MiB>", size)."""
-        tag = self.complete_tags()[checkpoint_id]
-        manifest = json.loads(self.client.get_manifest(self.repo, tag)[0])
-        blobs = {manifest["config"]["digest"]: ("config", int(manifest["config"]["size"]))}
-        for layer in manifest["layers"]:
-            notes = layer.get("annotations") or {}
-            what = str(notes.get("org.opencontainers.image.title", "?"))
-            if "cedana.ai/chunk.file" in notes:
-                offset = int(notes["cedana.ai/chunk.offset"]) // MIB
-                what = f"{notes['cedana.ai/chunk.file']}@{offset}MiB"
-            blobs[layer["digest"]] = (what, int(layer["size"]))
-        return blobs
-
-    def stored_bytes(self) -> int:
-        """What the registry stores (blobs and manifests), from its filesystem."""
-        return du_bytes(self.blobs)
-
-
-def start_registry(root: Path, cleanup: Cleanup) -> tuple[Remote, dict[str, str]]:
-    """The registry, and the node config (CEDANA_<KEY>) that points a node at it."""
-    tls = make_test_ca(root / "tls")
-    registry = Registry(root / "registry", tls=tls)
-    registry.start()
-    cleanup.push("stop the registry", registry.stop)
-    auth = write_auth_file(root / "registry-auth.json", registry.host, USER, PASSWORD)
-    env = {
-        "CEDANA_REGISTRY": f"{registry.host}/{PREFIX}",
-        "CEDANA_REGISTRY_AUTH_FILE": str(auth),
-        "CEDANA_REGISTRY_CA": str(tls.ca_cert),
-        "CEDANA_REGISTRY_SYNC": "before-exit",
-    }
-    config = RegistryConfig(
-        registry=env["CEDANA_REGISTRY"], auth_file=str(auth), ca_file=str(tls.ca_cert)
-    )
-    blobs = registry.storage / "docker" / "registry" / "v2" / "blobs"
-    return Remote(RegistryClient(config), blobs, registry), env
-
-
-def shared_directory(root: Path) -> tuple[Remote, dict[str, str]]:
-    """A directory as the shared store (``registry`` = its path), on the same disk."""
-    path = root / "shared"
-    path.mkdir(mode=0o700)
-    env = {"CEDANA_REGISTRY": str(path), "CEDANA_REGISTRY_SYNC": "before-exit"}
-    return Remote(SharedDirectory(str(path)), path), env
 
 
 # -- probes --------------------------------------------------------------------------------
@@ -588,7 +518,9 @@ def rewrite_tenth(pid: int, what: str) -> str:
     return line
 
 
-def one_run(i: int, local: Node, a: Node, b: Node, mib: int) -> dict[str, Any]:
+def one_run(
+    i: int, local: Node, a: Node, b: Node, mib: int, lazy: Node | None, lazy_mib: int
+) -> dict[str, Any]:
     label = f"bench-xn-{a.bench.marker[:8]}-{i}"
 
     def cid(role: str) -> str:
@@ -600,7 +532,8 @@ def one_run(i: int, local: Node, a: Node, b: Node, mib: int) -> dict[str, Any]:
     before: dict[str, Any] = {}
     assert a.remote is not None
     registry = registry_process(a.remote)
-    sockets = {n.name: str(n.bench.containerd.socket).encode() for n in (local, a, b)}
+    nodes = (local, a, b) if lazy is None else (local, a, b, lazy)
+    sockets = {n.name: str(n.bench.containerd.socket).encode() for n in nodes}
 
     def cpu(step: Any) -> dict[str, Any]:
         return with_cpu(step, sockets, registry)
@@ -653,6 +586,27 @@ def one_run(i: int, local: Node, a: Node, b: Node, mib: int) -> dict[str, Any]:
     out["new_blobs"] = {
         what: size for digest, (what, size) in after_blobs.items() if digest not in before_blobs
     }
+    if lazy is not None:
+        out["restore_pulled_lazy"] = lazy_restore_on_b(i, a, lazy, lazy_mib, cpu)
+    return out
+
+
+def lazy_restore_on_b(i: int, a: Node, lazy: Node, mib: int, cpu: Any) -> dict[str, Any]:
+    """(e), target 2: A stops a workload of ``mib`` MiB (pushed before its exit); B with
+    ``lazy_restore`` runs the next container of its label (lazy_across_nodes.restore_on:
+    ctr run -> first beat, returned, memory verified). Each node's copy is removed after."""
+    tag = f"{a.bench.marker[:6]}-{i}"
+    label = f"bench-xl-{tag}"
+    room_for(2 * mib, f"the lazy restore of {mib} MiB")
+    checkpoint_on_a(a.side, label, mib, tag)
+    settle(RESTORE_GAP)
+    load = load_average()
+    out: dict[str, Any] = cpu(lambda: restore_on(lazy.bench, lazy.side, label, mib, tag))
+    if out["memory"] != "lazy":
+        raise BenchFailure(f"{lazy.name}: {label} was restored {out['memory']!r}, not lazily")
+    out["load_1m"] = load[0]
+    lazy.forget(label)
+    a.forget(label)
     return out
 
 
@@ -706,23 +660,31 @@ def figures(runs: list[dict[str, Any]]) -> dict[str, Summary]:
         "frozen_second_s": col("stop_after_rewrite", "criu_frozen_s"),
         "delta_ratio": summarize([float(r["delta_ratio"]) for r in runs]),
     }
+    lazy = [r["restore_pulled_lazy"] for r in runs if "restore_pulled_lazy" in r]
+    for key in ("first_beat_s", "returned_s", "verified_s"):
+        out[f"restore_pulled_lazy.{key}"] = summarize([float(x[key]) for x in lazy])
     return out
 
 
+LAZY_NODE = "B-lazy"  # B's twin with lazy_restore = true: step (e)
 CPU_STEPS = {  # the step, and whose CPU matters for it
     "stop_registry": ("A", "registry"),
     "stop_local": ("L",),
     "restore_pulled": ("B", "registry"),
     "restore_local": ("A",),
+    "restore_pulled_lazy": (LAZY_NODE, "registry"),  # until every page is in
 }
 
 
-def cpu_figures(runs: list[dict[str, Any]], mib: int) -> dict[str, Summary]:
+def cpu_figures(runs: list[dict[str, Any]], mib: int, lazy_mib: int) -> dict[str, Summary]:
     """CPU seconds per GiB of the workload's memory, per step and side (target 4)."""
-    gib = mib / 1024
     return {
         f"cpu.{step}.{who}": summarize(
-            [r[step]["cpu_s"][who] / gib for r in runs if who in r[step].get("cpu_s", {})]
+            [
+                r[step]["cpu_s"][who] / ((lazy_mib if step.endswith("_lazy") else mib) / 1024)
+                for r in runs
+                if who in r.get(step, {}).get("cpu_s", {})
+            ]
         )
         for step, whose in CPU_STEPS.items()
         for who in whose
@@ -737,22 +699,25 @@ def print_cpu(f: dict[str, Summary]) -> None:
          cell(f["cpu.stop_registry.registry"]), cell(f["cpu.stop_local.L"])],
         ["(b) create -> running: B pulls / A", cell(f["cpu.restore_pulled.B"]),
          cell(f["cpu.restore_pulled.registry"]), cell(f["cpu.restore_local.A"])],
+        ["(e) lazy restore on B, until every page is in",
+         cell(f[f"cpu.restore_pulled_lazy.{LAZY_NODE}"]),
+         cell(f["cpu.restore_pulled_lazy.registry"]), ""],
     ]  # fmt: skip
     print("\nCPU seconds per GiB of memory (target 4: /proc/<pid>/stat, children reaped included)")
     print_table(["step", "the node (A / B)", "registry", "the local side (L / A)"], rows)
 
 
 def issue_targets(
-    f: dict[str, Summary], verdicts: dict[str, tuple[float, float]]
+    f: dict[str, Summary], verdicts: dict[str, tuple[float, float]], lazy_mib: int
 ) -> list[dict[str, Any]]:
-    """Issue 30's targets 1-3 as this run measured them (target 2, the lazy restore of
-    4 GiB on B, only when the run measured it: ``restore_pulled_lazy.first_beat_s``)."""
-    lazy = f.get("restore_pulled_lazy.first_beat_s")
+    """Issue 30's targets 1-3 as this run measured them (target 2, set for 4 GiB, only
+    when the run had step (e): ``--lazy-mib`` not 0)."""
+    lazy = f["restore_pulled_lazy.first_beat_s"]
     rows: list[dict[str, Any]] = [
         {"target": 1, "what": "create -> running on B (pull) / A (local), eager",
          "value": verdicts["b"][0], "limit": TIME_TARGET},
-        {"target": 2, "what": "lazy restore on B, ctr run -> first beat, 4 GiB (s)",
-         "value": lazy.median if lazy is not None and lazy.n else None, "limit": LAZY_TARGET_S},
+        {"target": 2, "what": f"lazy restore on B, ctr run -> first beat, {lazy_mib} MiB (s)",
+         "value": lazy.median if lazy.n else None, "limit": LAZY_TARGET_S},
         {"target": 3, "what": "SIGTERM -> exit, before-exit push (A) / local commit (L)",
          "value": verdicts["a"][0], "limit": TIME_TARGET},
     ]  # fmt: skip
@@ -839,8 +804,24 @@ def print_figures(f: dict[str, Summary], verdicts: dict[str, tuple[float, float]
          "", "", "", ""],
         ["    CRIU frozen time: 1st / 2nd (no dirty tracking)", cell(f["frozen_first_s"], "s", 3),
          cell(f["frozen_second_s"], "s", 3), "", "", ""],
+        ["(e) lazy restore on B: ctr run -> first beat",
+         cell(f["restore_pulled_lazy.first_beat_s"], "s", 3), "", "", "(target 2)", ""],
+        ["    -> every page in (ctr run returns)", cell(f["restore_pulled_lazy.returned_s"]),
+         "", "", "", ""],
+        ["    -> memory checksum verified", cell(f["restore_pulled_lazy.verified_s"]),
+         "", "", "", ""],
     ]  # fmt: skip
     print_table(["measure", "registry side", "local side", "ratio", "target", "load 1m"], rows)
+
+
+def lazy_line(r: dict[str, Any]) -> str:
+    lazy = r.get("restore_pulled_lazy")
+    if lazy is None:
+        return ""
+    return (
+        f"; lazy on B: first beat {lazy['first_beat_s']:.3f}s, every page in "
+        f"{lazy['returned_s']:.2f}s (load {lazy['load_1m']:.2f})"
+    )
 
 
 def main() -> int:
@@ -848,13 +829,19 @@ def main() -> int:
     parser.add_argument("--mem-mib", type=int, default=1024, help="memory the workload fills")
     parser.add_argument("--warmup", type=int, default=1, help="discarded runs first (default 1)")
     parser.add_argument(
+        "--lazy-mib",
+        type=int,
+        default=4096,
+        help="memory of step (e), the lazy restore on B (target 2: 4096); 0 = no step (e)",
+    )
+    parser.add_argument(
         "--shared-dir",
         action="store_true",
         help="a directory (registry = its path) instead of a registry: no registry process",
     )
     args = parser.parse_args()
-    if args.runs < 1 or args.mem_mib < 1 or args.warmup < 0:
-        parser.error("--runs and --mem-mib must be >= 1, --warmup >= 0")
+    if args.runs < 1 or args.mem_mib < 1 or args.warmup < 0 or args.lazy_mib < 0:
+        parser.error("--runs and --mem-mib must be >= 1, --warmup and --lazy-mib >= 0")
     require_root()
     install_signal_handlers()
     report = Report(
@@ -863,6 +850,7 @@ def main() -> int:
             "runs": args.runs,
             "warmup_runs": args.warmup,
             "mem_mib": args.mem_mib,
+            "lazy_mib": args.lazy_mib,
             "containerd": args.containerd,
             "registry": "a shared directory on the same disk (registry = its path)"
             if args.shared_dir
@@ -883,6 +871,9 @@ def main() -> int:
             )
             nodes = {"L": base}
             nodes |= {name: another_node(base, cleanup, (NAMESPACE,), env) for name in "AB"}
+            if args.lazy_mib:
+                lazy_env = {**env, "CEDANA_LAZY_RESTORE": "true"}
+                nodes[LAZY_NODE] = another_node(base, cleanup, (NAMESPACE,), lazy_env)
             archive, _ = build_image(base.root, build_memhog(base.root), args.mem_mib)
             made = {}
             for name, bench in nodes.items():
@@ -895,7 +886,10 @@ def main() -> int:
             report.params["registry_storage"] = str(remote.blobs)
             total = args.warmup + args.runs
             for i in range(total):
-                r = one_run(i, made["L"], made["A"], made["B"], args.mem_mib)
+                r = one_run(
+                    i, made["L"], made["A"], made["B"], args.mem_mib,
+                    made.get(LAZY_NODE), args.lazy_mib,
+                )  # fmt: skip
                 warm = i >= args.warmup
                 if warm:
                     runs.append(r)
@@ -907,7 +901,8 @@ def main() -> int:
                     f"{r['restore_local']['seconds']:.2f}s; uploaded "
                     f"{r['stop_registry']['uploaded_bytes'] / MIB:.0f} MiB then "
                     f"{r['stop_after_rewrite']['uploaded_bytes'] / MIB:.0f} MiB; new blobs "
-                    + ", ".join(f"{w} ({n / MIB:.1f} MiB)" for w, n in r["new_blobs"].items()),
+                    + ", ".join(f"{w} ({n / MIB:.1f} MiB)" for w, n in r["new_blobs"].items())
+                    + lazy_line(r),
                     flush=True,
                 )
     finally:
@@ -931,9 +926,9 @@ def main() -> int:
         "(median (min-max, sd))"
     )
     print_figures(f, verdicts)
-    cpu = cpu_figures(runs, args.mem_mib)
+    cpu = cpu_figures(runs, args.mem_mib, args.lazy_mib)
     print_cpu(cpu)
-    targets = issue_targets(f, verdicts)
+    targets = issue_targets(f, verdicts, args.lazy_mib)
     print_targets(targets)
     report.results = {
         "unit": "seconds; MiB; MB/s (10^6 bytes); load: 1-minute load average",

@@ -51,7 +51,7 @@ from _common import (
 
 ensure_venv()
 
-from across_nodes import start_registry  # noqa: E402
+from _registry import start_registry  # noqa: E402
 from checkpoint_restore import (  # noqa: E402
     NAMESPACE,
     BenchFailure,
