@@ -194,17 +194,58 @@ def test_blob_exists_reports_the_size_only_after_the_push(client: RegistryClient
 
 
 def test_local_data_that_no_longer_matches_its_digest_is_never_committed(
-    client: RegistryClient,
+    registry: Registry, tls: TlsFiles, auth_file: Path, tmp_path: Path
 ) -> None:
+    """The client does not hash a blob of known digest: the registry's check at the
+    commit refuses the changed bytes, and the next push starts a new session."""
+    state_dir = tmp_path / "uploads"
+    client = _client(
+        registry, tls=tls, auth_file=auth_file, upload_state_dir=state_dir, chunk_size=MiB
+    )
     blob = Source(os.urandom(3 * MiB))
     changed = Source(blob.data[:-1] + b"!")
-    with pytest.raises(DataLoss, match="changed or is damaged"):
+    with pytest.raises(DataLoss, match="changed or is damaged") as caught:
         client.push_blob(REPO, blob.digest, blob.size, changed)
+    assert "nothing was committed" in str(caught.value)
+    assert client.blob_exists(REPO, blob.digest) is None
+    assert client.blob_exists(REPO, changed.digest) is None
+    assert list(state_dir.iterdir()) == []
     truncated = Source(blob.data[: 2 * MiB])
     with pytest.raises(DataLoss, match="ends at byte 2097152"):
         client.push_blob(REPO, blob.digest, blob.size, truncated)
     assert client.blob_exists(REPO, blob.digest) is None
-    assert client.push_blob(REPO, blob.digest, blob.size, blob).sent == blob.size
+    result = client.push_blob(REPO, blob.digest, blob.size, blob)
+    assert result.resumed_from + result.sent == blob.size
+    assert _pull(client, REPO, blob) == blob.data
+    assert list(state_dir.iterdir()) == []
+
+
+def test_a_resumed_push_whose_source_changed_is_refused_by_the_registry(
+    registry: Registry, tls: TlsFiles, auth_file: Path, tmp_path: Path
+) -> None:
+    chunk = 1 * MiB
+    state_dir = tmp_path / "uploads"
+    blob = Source(os.urandom(4 * chunk))
+
+    def fail_after_two_chunks(done: int) -> None:
+        if done == 2 * chunk:
+            raise Unavailable("the pushing process dies here")
+
+    client = _client(
+        registry, tls=tls, auth_file=auth_file, upload_state_dir=state_dir, chunk_size=chunk
+    )
+    with pytest.raises(Unavailable):
+        client.push_blob(REPO, blob.digest, blob.size, blob, fail_after_two_chunks)
+    # The part not sent yet changed: the registry holds two good chunks, then two bad.
+    changed = Source(blob.data[:-1] + b"!")
+    with pytest.raises(DataLoss, match="changed or is damaged"):
+        client.push_blob(REPO, blob.digest, blob.size, changed)
+    assert changed.read_bytes == 2 * chunk  # the resumed prefix is not read again
+    assert client.blob_exists(REPO, blob.digest) is None
+    assert list(state_dir.iterdir()) == []
+    result = client.push_blob(REPO, blob.digest, blob.size, blob)
+    assert (result.resumed_from, result.sent) == (0, blob.size)
+    assert _pull(client, REPO, blob) == blob.data
 
 
 def test_a_push_by_content_learns_its_digest_at_the_commit(client: RegistryClient) -> None:
@@ -345,6 +386,7 @@ def test_push_resumes_after_the_registry_hung_and_was_restarted(
     result = second.push_blob(REPO, blob.digest, blob.size, blob)
     assert result.resumed_from == 3 * chunk
     assert result.sent == blob.size - 3 * chunk
+    assert blob.read_bytes == result.sent  # what the registry holds is not read again
     resent = sent_before + result.sent - blob.size
     assert 0 <= resent <= chunk
     assert _pull(second, REPO, blob) == blob.data

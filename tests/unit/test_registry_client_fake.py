@@ -1,6 +1,6 @@
 """The registry client against small fake registries (plain HTTP on loopback): what a
 real distribution 2.8 cannot be made to do (paginate tags, issue Bearer tokens,
-redirect blobs, lie about sizes and digests)."""
+redirect blobs, lie about sizes and digests, refuse a commit)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from cedana_shim.errors import DataLoss, PermissionDenied, Unavailable
+from cedana_shim.errors import DataLoss, InvalidArgument, PermissionDenied, Unavailable
 from cedana_shim.registry import RegistryClient, RegistryConfig
 
 REPO = "cedana/team-a"
@@ -216,6 +216,75 @@ def test_manifests_that_do_not_check_out_are_data_loss(
     server = serve(lambda request: reply)
     with pytest.raises(DataLoss, match=complaint):
         _client(server).get_manifest(REPO, ref)
+
+
+DIGEST_INVALID = json.dumps(
+    {"errors": [{"code": "DIGEST_INVALID", "message": "provided digest did not match"}]}
+).encode()
+
+
+def _uploads(commit: Reply) -> Routes:
+    """A registry that takes every upload (sessions s1, s2, ...) and answers each
+    commit with ``commit``."""
+    sessions = 0
+
+    def routes(request: Request) -> Reply:
+        nonlocal sessions
+        if request.method == "HEAD":
+            return Reply(404)
+        if request.method == "POST":
+            sessions += 1
+            return Reply(202, {"Location": f"/v2/{REPO}/blobs/uploads/s{sessions}"})
+        if request.method == "PATCH":
+            end = request.headers["Content-Range"].split("-")[1]
+            return Reply(202, {"Location": request.path, "Range": f"0-{end}"})
+        if request.method == "PUT":
+            return commit
+        return Reply(204)  # DELETE
+
+    return routes
+
+
+def test_a_known_digest_the_registry_refuses_is_local_data_loss(
+    serve: Callable[[Routes], FakeRegistry],
+) -> None:
+    """Nothing hashes a blob of known digest here: the registry's DIGEST_INVALID is
+    what tells that the local data no longer matches, and the session is forgotten."""
+    server = serve(_uploads(Reply(400, {"Content-Type": "application/json"}, DIGEST_INVALID)))
+    client = _client(server)
+    data = b"x" * 300
+    for _ in range(2):
+        with pytest.raises(DataLoss) as caught:
+            client.push_blob(REPO, _digest(data), len(data), lambda offset: io.BytesIO(data))
+        message = str(caught.value)
+        assert "changed or is damaged since it was written" in message
+        assert "nothing was committed" in message and "DIGEST_INVALID" in message
+    calls = [(r.method, r.path.rsplit("/", 1)[-1]) for r in server.requests]
+    assert calls == [
+        ("HEAD", _digest(data)), ("POST", ""), ("PATCH", "s1"), ("PUT", "s1"), ("DELETE", "s1"),
+        ("HEAD", _digest(data)), ("POST", ""), ("PATCH", "s2"), ("PUT", "s2"), ("DELETE", "s2"),
+    ]  # fmt: skip
+    assert server.requests[3].query["digest"] == [_digest(data)]
+
+
+def test_a_push_by_content_the_registry_refuses_names_the_digest_it_hashed(
+    serve: Callable[[Routes], FakeRegistry],
+) -> None:
+    server = serve(_uploads(Reply(400, {"Content-Type": "application/json"}, DIGEST_INVALID)))
+    data = b"y" * 300
+    with pytest.raises(DataLoss, match="DIGEST_INVALID") as caught:
+        _client(server).push_blob_by_content(REPO, "k", len(data), lambda o: io.BytesIO(data))
+    assert f"commit as {_digest(data)}" in str(caught.value)
+    assert "changed or is damaged" not in str(caught.value)
+
+
+def test_a_commit_refused_for_another_reason_is_not_called_data_loss(
+    serve: Callable[[Routes], FakeRegistry],
+) -> None:
+    server = serve(_uploads(Reply(400, {}, b"bad request")))
+    data = b"z" * 300
+    with pytest.raises(InvalidArgument, match="HTTP 400: bad request"):
+        _client(server).push_blob(REPO, _digest(data), len(data), lambda o: io.BytesIO(data))
 
 
 def _auth_file(tmp_path: Path, host: str) -> Path:

@@ -1,4 +1,4 @@
-"""Pushing one blob: a chunked, resumable upload, hashed while it streams.
+"""Pushing one blob: a chunked, resumable upload, committed under its digest.
 
 The protocol is the distribution spec's chunked upload: POST opens a session, each
 PATCH appends ``chunk_size`` bytes (with ``Content-Range``), and PUT ``?digest=``
@@ -6,9 +6,16 @@ commits. After every acknowledged chunk the session URL is recorded
 (:class:`UploadStates`), so when a push fails half way (registry restarted, network
 down, timeout) the next push of the same digest asks the registry how much it holds
 (GET on the session: ``Range: 0-<last>``) and sends only the rest: at most the chunk
-in flight is sent twice. The bytes already at the registry are re-read locally, not
-re-sent, to carry the sha256 over; the digest is checked before the commit, so a
-source that changed underneath is never committed under the wrong name.
+in flight is sent twice.
+
+A blob whose digest is known (a compacted chunk is named by the sha256 the compactor
+took as it wrote it) is not hashed again here: the registry hashes what it holds and
+refuses a commit under another digest (the spec's ``DIGEST_INVALID``, HTTP 400), so a
+source that changed underneath is never committed under the wrong name, and a resumed
+push re-reads nothing of what the registry holds. On a node where CPU bounds the stop
+a second sha256 of every byte sent competes with the compression for nothing; a
+registry that skipped the check would still be caught at every pull, which checks
+each blob's sha256 as it streams.
 
 A blob whose digest is not known before it is sent (an encrypted layer: its
 ciphertext is made while it streams) is pushed "by content": the digest is the hash
@@ -16,8 +23,8 @@ of what was sent, learned at the end and named by the commit (``PUT ?digest=``, 
 spec allows), so the bytes are produced once; the registry checks that what it holds
 hashes to it and refuses the commit otherwise. Its session is remembered under a key
 the caller chooses (one that names the content: the same key must mean the same
-bytes), and a ``tap`` (e.g. an HMAC) sees the same bytes as the sha256, resumed
-prefix included.
+bytes), and a ``tap`` (e.g. an HMAC) sees the same bytes as the sha256; a resumed push
+re-reads the prefix the registry holds, not sending it again, to carry both over.
 
 A registry may drop a session it cannot resume (distribution 2.x discards one whose
 stored size differs from the session's signed offset, e.g. after being killed in the
@@ -37,7 +44,7 @@ from cedana_shim.errors import DataLoss, ShimError
 
 from .auth import scope_for
 from .headers import upload_range_end
-from .transport import Response, Transport, release
+from .transport import Response, Transport, error_detail, release
 from .uploads import UploadState, UploadStates
 
 if TYPE_CHECKING:
@@ -121,6 +128,8 @@ class BlobPush:
         under ``session_key``; ``tap`` is fed the blob's bytes as the sha256 is."""
         if digest is None and session_key is None:
             raise errors.Internal("a push by content needs the key of its upload state")
+        if digest is not None and tap is not None:
+            raise errors.Internal("only a push by content hashes its bytes for a tap")
         self._http = http
         self._uploads = uploads
         self._repo = repo
@@ -138,9 +147,11 @@ class BlobPush:
     def run(self) -> PushResult:
         location, offset = self._resume_or_start()
         resumed_from = offset
-        hasher = _Hashes(hashlib.sha256(), self._tap)
-        for _ in self._source_blocks(0, offset, hasher):
-            pass  # the bytes the registry holds: hash them, do not send them again
+        hasher = None
+        if self._digest is None:
+            hasher = _Hashes(hashlib.sha256(), self._tap)
+            for _ in self._source_blocks(0, offset, hasher):
+                pass  # the bytes the registry holds: hash them, do not send them again
         if self._progress is not None and offset:
             self._progress(offset)
         while offset < self._size:
@@ -150,18 +161,15 @@ class BlobPush:
             self._uploads.put(self._repo, self._key, UploadState(location, offset))
             if self._progress is not None:
                 self._progress(offset)
-        actual = "sha256:" + hasher.sha.hexdigest()
-        if self._digest is not None and actual != self._digest:
-            self._cancel(location)
-            raise DataLoss(
-                f"registry {self._http.host}: {self._what}: the local data hashes to {actual}: "
-                "it changed or is damaged since it was written; nothing was committed"
-            )
-        # By content, the registry checks the bytes it holds against this digest.
-        self._commit(location, actual)
-        tap = hasher.tap.digest() if hasher.tap is not None else b""
+        if hasher is None:
+            digest = str(self._digest)
+            tap = b""
+        else:
+            digest = "sha256:" + hasher.sha.hexdigest()
+            tap = hasher.tap.digest() if hasher.tap is not None else b""
+        self._commit(location, digest)
         return PushResult(
-            existed=False, resumed_from=resumed_from, sent=self._sent, digest=actual, tap=tap
+            existed=False, resumed_from=resumed_from, sent=self._sent, digest=digest, tap=tap
         )
 
     def _resume_or_start(self) -> tuple[str, int]:
@@ -208,12 +216,13 @@ class BlobPush:
         return location, offset
 
     def _send_chunk(
-        self, location: str, offset: int, length: int, hasher: _Hashes
-    ) -> tuple[str, _Hashes]:
-        attempts: list[_Hashes] = []
+        self, location: str, offset: int, length: int, hasher: _Hashes | None
+    ) -> tuple[str, _Hashes | None]:
+        attempts: list[_Hashes | None] = []
 
         def body() -> Iterator[bytes]:
-            attempt = hasher.copy()  # a retried attempt hashes the same bytes afresh
+            # A retried attempt hashes the same bytes afresh.
+            attempt = hasher.copy() if hasher is not None else None
             attempts.append(attempt)
             return self._source_blocks(offset, length, attempt, count_sent=True)
 
@@ -239,13 +248,25 @@ class BlobPush:
 
     def _commit(self, location: str, digest: str) -> None:
         url = location + ("&" if "?" in location else "?") + f"digest={digest}"
+        what = f"{self._what} (commit as {digest})"
         response = self._request("PUT", url, {"Content-Length": "0"})
         if response.status != 201:
+            detail = error_detail(response)
             if response.status in (400, 404):
-                # Refused (DIGEST_INVALID: what it holds is not what we hashed) or
+                # Refused (DIGEST_INVALID: what it holds does not hash to the digest) or
                 # gone: the next push starts a new session.
                 self._uploads.drop(self._repo, self._key)
-            self._http.fail(response, f"{self._what} (commit as {digest})")
+            mismatch = response.status == 400 and "DIGEST_INVALID" in detail
+            if mismatch and self._digest is not None:
+                # The digest was taken as the data was written: bytes that do not hash
+                # to it were read (now or by the push that left the session) since.
+                self._cancel(location)
+                raise DataLoss(
+                    f"registry {self._http.host}: {what}: the registry finds that the bytes "
+                    f"sent do not hash to it (HTTP 400: {detail}): the local data changed or "
+                    "is damaged since it was written; nothing was committed"
+                )
+            self._http.fail(response, what, detail=detail)
         stored = response.headers.get("Docker-Content-Digest")
         release(response)
         self._uploads.drop(self._repo, self._key)
@@ -284,9 +305,10 @@ class BlobPush:
         return self._http.resolve(base, location, self._what)
 
     def _source_blocks(
-        self, offset: int, length: int, hasher: _Hashes, *, count_sent: bool = False
+        self, offset: int, length: int, hasher: _Hashes | None, *, count_sent: bool = False
     ) -> Iterator[bytes]:
-        """``length`` bytes of the source from ``offset``, hashed, in bounded blocks."""
+        """``length`` bytes of the source from ``offset`` in bounded blocks, fed to
+        ``hasher`` when there is one."""
         if length == 0:
             return
         position = offset
@@ -299,7 +321,8 @@ class BlobPush:
                             f"{self._what}: the local data ends at byte {position}, before its "
                             f"size {self._size}: it was truncated since it was written"
                         )
-                    hasher.update(block)
+                    if hasher is not None:
+                        hasher.update(block)
                     position += len(block)
                     if count_sent:
                         self._sent += len(block)

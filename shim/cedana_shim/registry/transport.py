@@ -125,10 +125,12 @@ class Transport:
             f"registry {self.host}: {what}: more than {MAX_REDIRECTS} redirects"
         )
 
-    def fail(self, response: Response, what: str) -> NoReturn:
-        """Raise the error for an unexpected status, quoting the registry's message."""
+    def fail(self, response: Response, what: str, *, detail: str | None = None) -> NoReturn:
+        """Raise the error for an unexpected status, quoting the registry's message
+        (``detail``: its ``error_detail``, when the caller has read it already)."""
         status = response.status
-        detail = error_detail(response)
+        if detail is None:
+            detail = error_detail(response)
         message = f"registry {self.host}: {what}: HTTP {status}: {detail}"
         if status == 404:
             raise errors.NotFound(message)
