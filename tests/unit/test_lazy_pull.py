@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cedana_shim import errors
 from cedana_shim.checkpoint.lazy_remote import ServedCheckpoint
 from cedana_shim.checkpoint.pagemap_image import (
     PAGE_SIZE,
@@ -35,10 +36,17 @@ class CountingDirectory(SharedDirectory):
     def __init__(self, path: str) -> None:
         super().__init__(path)
         self.pulled: list[str] = []
+        self.cut: set[str] = set()  # blobs whose next pull breaks off halfway
 
-    def pull_blob(self, repo: str, digest: str, *args: Any, **kw: Any) -> None:
+    def pull_blob(
+        self, repo: str, digest: str, size: int, dest: Any, *args: Any, **kw: Any
+    ) -> None:
         self.pulled.append(digest)
-        super().pull_blob(repo, digest, *args, **kw)
+        if digest in self.cut:
+            self.cut.discard(digest)
+            dest.write(b"x" * (size // 2))
+            raise errors.Unavailable(f"registry: download of blob {digest}: connection reset")
+        super().pull_blob(repo, digest, size, dest, *args, **kw)
 
 
 def _files(pages: bytes) -> dict[str, bytes]:
@@ -104,6 +112,29 @@ def test_begin_stages_the_small_blobs_and_chunks_come_once_when_asked(moved: Mov
     assert committed.id == moved.entry.id
     moved.b.reader.verify(committed, deep=True)
     assert staging_dirs(moved.b) == []
+
+
+def test_a_fetch_broken_off_stages_nothing_and_the_next_try_starts_afresh(
+    moved: Moved,
+) -> None:
+    pull = moved.remote_b.lazy_pull(moved.found)
+    pull.begin()
+    try:
+        one = moved.chunks()[2]
+        moved.directory.cut.add(one.digest)
+        with pytest.raises(errors.Unavailable, match="connection reset"):
+            pull.fetch_chunk(one)
+        (staging,) = staging_dirs(moved.b)
+        left = os.listdir(os.path.join(moved.b.root, "ingest", staging))
+        assert not [n for n in left if one.digest.removeprefix("sha256:") in n]  # no part file
+        blob = pull.fetch_chunk(one)  # pulled again, whole: not the half of before
+        assert len(blob) == one.size and moved.directory.pulled.count(one.digest) == 2
+        for chunk in moved.chunks():
+            pull.fetch_chunk(chunk)
+        committed = pull.commit()
+    finally:
+        pull.close()
+    moved.b.reader.verify(committed, deep=True)
 
 
 def test_given_up_it_leaves_nothing(moved: Moved) -> None:

@@ -12,9 +12,9 @@ candidate when ``lazy_restore`` is on and the checkpoint's page images are chunk
    keeps no connection but its own), whose other end ``criu lazy-pages --page-server
    --ps-socket FD`` inherits (runtime/lazy_pages.py); once the tasks run
    (:meth:`ServedCheckpoint.resumed`) the prefetcher fills the rest in address order
-   behind their faults. A failure of either (a registry that fails, a chunk
-   that does not verify) sets :attr:`ServedCheckpoint.failed`: the session then
-   abandons the restore, the tasks killed before the server closes.
+   behind their faults. A failure of either (a registry that still fails after a
+   few tries, a chunk that does not verify) sets :attr:`ServedCheckpoint.failed`:
+   the session then abandons the restore, the tasks killed before the server closes.
 3. :meth:`ServedCheckpoint.commit` once the daemon is done: the rest of the chunks
    are in (the prefetcher's), and the checkpoint is committed to the store as a pull
    would have. :meth:`close` in every case.
@@ -89,7 +89,13 @@ class ServedCheckpoint:
         with self.pull.open_layer(CRIU_LAYER) as tar:
             extract_tar(tar, self.image_dir, f"checkpoint {self.checkpoint_id}: CRIU images")
         self._pages = PageMap(task_pagemaps(self.image_dir), self.pull.chunks(CRIU_LAYER))
-        self._filler = ChunkFiller(self.image_dir, self._pages, self.pull.fetch_chunk, self._fail)
+        self._filler = ChunkFiller(
+            self.image_dir,
+            self._pages,
+            self.pull.fetch_chunk,
+            self._fail,
+            checkpoint=self.checkpoint_id,
+        )
         self._filler.fill(self._pages.eager_chunks())
 
     def entry(self) -> Entry:
