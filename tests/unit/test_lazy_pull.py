@@ -2,7 +2,9 @@
 against a shared directory standing for the registry and real stores: the small blobs
 and the pages CRIU's restore reads itself come first, every other chunk only when
 asked for (once), and the checkpoint reaches the store only when all of it is staged,
-exactly as a full pull leaves it; given up, it leaves nothing."""
+exactly as a full pull leaves it; given up, it leaves nothing. A fetch broken off
+leaves nothing staged; a filesystem without room for the raw pages is refused before
+any is written."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 
 import pytest
 from cedana_shim import errors
-from cedana_shim.checkpoint.lazy_remote import ServedCheckpoint
+from cedana_shim.checkpoint.lazy_remote import NoRoomForPages, ServedCheckpoint
 from cedana_shim.checkpoint.pagemap_image import (
     PAGE_SIZE,
     PE_LAZY,
@@ -169,4 +171,45 @@ def test_a_served_checkpoint_has_only_what_the_restore_reads_before_it_starts(
     finally:
         served.close()
     moved.b.reader.verify(committed, deep=True)
+    assert staging_dirs(moved.b) == []
+
+
+def _little_room(monkeypatch: pytest.MonkeyPatch, under: Path, free: int) -> None:
+    """statvfs says the filesystem of ``under`` has ``free`` bytes left."""
+    real = os.statvfs
+
+    def statvfs(path: Any) -> os.statvfs_result:
+        st = real(path)
+        if not os.fspath(path).startswith(str(under)):
+            return st
+        fields = list(st)  # f_bsize, f_frsize, f_blocks, f_bfree, f_bavail, ...
+        fields[3] = fields[4] = free // st.f_frsize
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+
+
+def test_no_room_for_the_raw_pages_is_refused_before_one_is_written(
+    moved: Moved, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    images = tmp_path / "work" / "images"
+    free = PAGES // 2  # the chunks, compressed, would fit; the raw pages do not
+    _little_room(monkeypatch, tmp_path / "work", free)
+    served = ServedCheckpoint(moved.remote_b.lazy_pull(moved.found), str(images))
+    try:
+        with pytest.raises(NoRoomForPages) as info:
+            served.prepare()
+        assert isinstance(info.value, errors.ResourceExhausted)
+        message = str(info.value)
+        assert f"checkpoint {moved.entry.id} " in message and str(images) in message
+        assert f"which has {free} free" in message
+        assert f"its raw memory pages ({PAGES} bytes)" in message
+        # The store is on this filesystem too: the chunks still to download count.
+        chunks = sum(c.size for c in moved.chunks())
+        assert f"needs {PAGES + chunks} bytes" in message
+        assert "from a full pull instead" in message
+        assert not (images / "pages-1.img").exists()  # nothing truncated, nothing fetched
+        assert not set(moved.directory.pulled) & {c.digest for c in moved.chunks()}
+    finally:
+        served.close()
     assert staging_dirs(moved.b) == []

@@ -573,8 +573,9 @@ class RestoreSession:
         """``candidate`` ready for a lazy restore from the registry: checked as
         :meth:`_pull` checks it, its small blobs staged and unpacked, the pages CRIU
         reads itself in (lazy_remote.py). None when refused (recorded), or when only a
-        full pull can restore it (its pages are not chunks; in ``_eager_only`` then)."""
-        from .lazy_remote import ServedCheckpoint  # the lazy restore's only
+        full pull can restore it (in ``_eager_only`` then: its pages are not chunks, or
+        the bundle's filesystem has no room for them raw)."""
+        from .lazy_remote import NoRoomForPages, ServedCheckpoint  # the lazy restore's only
 
         assert self._remote is not None
         node = candidate.node or f"#{candidate.node_hash}"
@@ -608,6 +609,12 @@ class RestoreSession:
                 await asyncio.to_thread(served.close)
             await asyncio.to_thread(shutil.rmtree, work, True)
             await host.reset_rootfs()
+            if isinstance(err, NoRoomForPages):
+                # Nothing wrong with the checkpoint: a full pull puts its blobs in the
+                # store (and checks the room there itself).
+                self._skip(what, f"lazy restore impossible, pulling it whole: {err}")
+                self._eager_only.add(candidate.checkpoint_id)
+                return None
             self._refuse(_kind(err, DataLoss), what, f"cannot pull it: {err}")
             if isinstance(err, DataLoss):  # what the registry holds is bad, not the link
                 await asyncio.to_thread(

@@ -90,6 +90,7 @@ class LazyPull:
         self.manifest: Manifest | None = None
         self.config: Config | None = None
         self._layers: Layers = {}
+        self._missing: dict[str, int] = {}  # blobs the store did not have: digest -> size
         self._meter = Meter(0, None)
 
     def begin(self) -> None:
@@ -107,6 +108,7 @@ class LazyPull:
         blobs = manifest_blobs(manifest)
         missing = {d: s for d, s in blobs.items() if not adoption.link_existing(d, s)}
         check_space(self._adopter.root, sum(missing.values()), self.remote)
+        self._missing = missing
         cdesc = manifest.config
         self._stage(cdesc.digest, cdesc.size)
         self.config = parse_config(
@@ -114,6 +116,16 @@ class LazyPull:
         )
         for desc in manifest.layers:
             self._stage(desc.digest, desc.size)
+
+    @property
+    def store_root(self) -> str:
+        """Where the blobs are staged: the store's root."""
+        return self._adopter.root
+
+    def pending_bytes(self) -> int:
+        """Bytes of the blobs still to download into the staging dir."""
+        staged = self._open().staged
+        return sum(size for digest, size in self._missing.items() if digest not in staged)
 
     def chunks(self, layer: str) -> tuple[Chunk, ...]:
         assert self.manifest is not None
