@@ -4,7 +4,8 @@ not start, or dies once the tasks run) falls back to an eager restore of the sam
 checkpoint, raw memory pages that fail their check while they are served give the task
 up for the blob, and a Kill while the pages still arrive leaves nothing behind. From
 the registry (the remote store's real code over a shared directory): a bundle without
-room for the raw pages gets the checkpoint pulled whole instead. Real CRIU:
+room for the raw pages gets the checkpoint pulled whole instead, and a Delete before
+the Start drops what the Create staged. Real CRIU:
 tests/integration/test_lazy_restore.py, test_lazy_across_nodes.py."""
 
 from __future__ import annotations
@@ -189,6 +190,24 @@ async def only_in_the_registry(env: TaskEnv, tmp_path: Path) -> str:
     env.pipeline.delivery.remote().push(newer)
     env.store.maintenance.remove(newer)
     return newer
+
+
+def test_a_delete_before_the_start_drops_the_served_checkpoints_staging(tmp_path: Path) -> None:
+    async def body(env: TaskEnv) -> None:
+        newer = await only_in_the_registry(env, tmp_path)
+        await env.create("c1", COUNTER, label=LABEL)
+        plan = env.container("c1").restore.plan  # type: ignore[union-attr]
+        assert plan is not None and plan.served is not None and plan.entry.id == newer
+        assert staging_dirs(env.store)  # its small blobs and eager pages, staged
+        work = os.path.dirname(plan.work_dir)
+        assert os.path.isdir(work)
+        await env.delete("c1")  # never started
+        # Before: the staging dir stayed until the shim exited.
+        assert staging_dirs(env.store) == []
+        assert not os.path.exists(work)
+        assert restores(env) == [] and daemon_pids(env) == []
+
+    lazy_world(tmp_path).run(body)
 
 
 def test_no_room_for_the_raw_pages_pulls_the_checkpoint_whole(

@@ -302,6 +302,7 @@ class RestoreSession:
         self._refused: tuple[str, str] | None = None  # and its (checkpoint, why)
         self._since = time.monotonic()  # when prepare or run began (RestoreReport.total)
         self.plan: Plan | None = None
+        self._ran = False  # run() took the plan: its attempts drop what they hold
 
     @property
     def container_id(self) -> str:
@@ -327,6 +328,18 @@ class RestoreSession:
         else:
             self._lap()
         return self.plan is not None
+
+    async def discard(self) -> None:
+        """The container goes without its Start (a Delete after the Create): drop what
+        the prepared plan holds, which only an attempt would have (a served checkpoint's
+        staging dir in the store, the attempt's work dir). Nothing once :meth:`run`
+        began: each of its attempts drops its own."""
+        plan, self.plan = self.plan, None
+        if plan is None or self._ran:
+            return
+        if plan.served is not None:
+            await asyncio.to_thread(plan.served.close)
+        await asyncio.to_thread(_discard_work, plan)
 
     @property
     def _by_hand(self) -> bool:
@@ -786,6 +799,7 @@ class RestoreSession:
         hand that fails (and may not start cold) raises, the attempt undone.
         """
         self._since = time.monotonic()
+        self._ran = True
         plan = self.plan
         while plan is not None:
             try:
