@@ -18,6 +18,10 @@ checks it before serving a byte of it.
   the pages CRIU's restore reads itself): the restore gets as far as running tasks,
   the chunk fails its check when it is fetched, the tasks are killed, and the
   container starts cold (the eager pull of the same checkpoint fails on it too);
+- the registry's connections cut as B's lazy-pages daemon starts (a TCP proxy between
+  B and the registry drops every open connection and the next two it accepts): the
+  chunk fetches that fail are tried again, and the workload resumes lazily with its
+  memory intact, nothing passed over;
 - the shim SIGKILLed while the tasks wait for pages (the registry frozen as B's
   lazy-pages daemon starts): the daemon does not take the page server's death for the
   end of its pages (it holds the server's end of their connection too); containerd's
@@ -26,9 +30,12 @@ checks it before serving a byte of it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,7 +63,7 @@ from .harness.cr_support import (
     unique_label,
     wait_ticks,
 )
-from .harness.registry import Registry
+from .harness.registry import PASSWORD, PREFIX, USER, Registry, write_auth_file
 from .harness.util import wait_for
 from .test_lazy_restore import CHECK, PADSUM, _is_workload, check_memory, lazy_daemons, padsums
 
@@ -106,6 +113,100 @@ def _signalling_criu(registry: Registry, sig: str, tmp_path: Path) -> Path:
     (wrapped / "criu").write_text(KILLER.format(sig=sig, pid=pid, real=CRIU))
     (wrapped / "criu").chmod(0o755)
     return wrapped
+
+
+class CuttingProxy:
+    """A TCP proxy to ``registry`` (TLS passes through) that, once a `criu lazy-pages`
+    on B announces itself (``trigger`` appears), closes every connection it holds
+    and the next ``cuts`` it accepts, then lets the daemon go on (``armed``): no
+    fetch of the lazy restore can reach the registry before its connections are cut."""
+
+    def __init__(self, registry: Registry, workdir: Path, cuts: int) -> None:
+        self._upstream = ("127.0.0.1", registry.port)
+        self.trigger, self.armed = workdir / "lazy-pages-started", workdir / "proxy-armed"
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.host = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._cuts = cuts
+        self._cutting = 0  # accepted connections still to close at once
+        self.cut = 0  # connections closed on purpose
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._accept, daemon=True),
+            threading.Thread(target=self._watch, daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(0.02):
+            if self.trigger.exists():
+                with self._lock:
+                    for conn in self._open:
+                        self._drop(conn)
+                    self.cut += len(self._open) // 2  # a client's and its upstream
+                    self._open.clear()
+                    self._cutting = self._cuts
+                self.armed.touch()
+                return
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._cutting > 0:
+                    self._cutting -= 1
+                    self.cut += 1
+                    self._drop(client)
+                    continue
+            try:
+                upstream = socket.create_connection(self._upstream, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._open |= {client, upstream}
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while block := src.recv(1 << 16):
+                dst.sendall(block)
+        except OSError:
+            pass
+        for end in (src, dst):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    @staticmethod
+    def _drop(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+        conn.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        with self._lock:
+            for conn in self._open:
+                self._drop(conn)
+
+
+ANNOUNCER = """#!/bin/sh
+# B's criu: the real one; its lazy-pages daemon starts only once the proxy has cut
+# the registry's connections.
+if [ "$1" = lazy-pages ]; then
+    touch {trigger}
+    while [ ! -e {armed} ]; do sleep 0.05; done
+fi
+exec {real} "$@"
+"""
 
 
 def _lazy_env(node_env: dict[str, str], **more: str) -> dict[str, str]:
@@ -233,6 +334,53 @@ def test_a_corrupted_chunk_served_late_kills_the_tasks_and_falls_back(
         assert not log.find("lazy restore: all memory in", container_id=box.cid)
         _runs_cold(box, counted)
         _nothing_left(b, box)
+
+
+def test_registry_connections_cut_mid_restore_are_retried_and_the_workload_survives(
+    make_node: MakeNode,
+    node_env: dict[str, str],
+    registry: Registry,
+    new_id: NewId,
+    tmp_path: Path,
+) -> None:
+    label = unique_label("lazycut")
+    a = make_node(node_env)
+    checkpoint, padsum, counted = _checkpoint_on_a(a, new_id, label)
+    proxy = CuttingProxy(registry, tmp_path, cuts=2)
+    try:
+        wrapped = tmp_path / "criu-announcing"
+        wrapped.mkdir()
+        script = ANNOUNCER.format(trigger=proxy.trigger, armed=proxy.armed, real=CRIU)
+        (wrapped / "criu").write_text(script)
+        (wrapped / "criu").chmod(0o755)
+        auth = write_auth_file(tmp_path / "proxy-auth.json", proxy.host, USER, PASSWORD)
+        b = make_node(
+            _lazy_env(
+                node_env,
+                PATH=str(wrapped),
+                CEDANA_REGISTRY=f"{proxy.host}/{PREFIX}",
+                CEDANA_REGISTRY_AUTH_FILE=str(auth),
+            )
+        )
+        log = ShimLog(b)
+        with (
+            EventStream(b.socket) as events,
+            Workloads(b, new_id, label=label, script=_script(), namespace=CTR_NAMESPACE) as w,
+        ):
+            box = w.start("b")
+            restored_from(events, box, checkpoint)
+            done = log.wait("restored from checkpoint", container=box.cid)
+            assert done["memory"] == "lazy", done
+            assert not done["why"], done  # the same lazy restore, nothing passed over
+            assert proxy.armed.exists() and proxy.cut >= 1, proxy.cut
+            retried = log.find("fetching a chunk of the pages failed; trying again")
+            assert retried, log.about(box.cid)
+            assert {r["checkpoint"] for r in retried} == {checkpoint}, retried
+            assert_continues(counted, wait_ticks(box.lines, count=3), "lazy restore, retried")
+            check_memory(w, box, padsum)
+            assert [e.id for e in entries(b.store, label=label)] == [checkpoint]
+    finally:
+        proxy.close()
 
 
 def test_a_shim_killed_while_the_tasks_wait_for_the_registry_is_cleaned_up_by_delete(

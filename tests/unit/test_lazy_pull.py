@@ -2,7 +2,9 @@
 against a shared directory standing for the registry and real stores: the small blobs
 and the pages CRIU's restore reads itself come first, every other chunk only when
 asked for (once), and the checkpoint reaches the store only when all of it is staged,
-exactly as a full pull leaves it; given up, it leaves nothing."""
+exactly as a full pull leaves it; given up, it leaves nothing. A fetch broken off
+leaves nothing staged; a filesystem without room for the raw pages is refused before
+any is written."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cedana_shim.checkpoint.lazy_remote import ServedCheckpoint
+from cedana_shim import errors
+from cedana_shim.checkpoint.lazy_remote import NoRoomForPages, ServedCheckpoint
 from cedana_shim.checkpoint.pagemap_image import (
     PAGE_SIZE,
     PE_LAZY,
@@ -35,10 +38,17 @@ class CountingDirectory(SharedDirectory):
     def __init__(self, path: str) -> None:
         super().__init__(path)
         self.pulled: list[str] = []
+        self.cut: set[str] = set()  # blobs whose next pull breaks off halfway
 
-    def pull_blob(self, repo: str, digest: str, *args: Any, **kw: Any) -> None:
+    def pull_blob(
+        self, repo: str, digest: str, size: int, dest: Any, *args: Any, **kw: Any
+    ) -> None:
         self.pulled.append(digest)
-        super().pull_blob(repo, digest, *args, **kw)
+        if digest in self.cut:
+            self.cut.discard(digest)
+            dest.write(b"x" * (size // 2))
+            raise errors.Unavailable(f"registry: download of blob {digest}: connection reset")
+        super().pull_blob(repo, digest, size, dest, *args, **kw)
 
 
 def _files(pages: bytes) -> dict[str, bytes]:
@@ -106,6 +116,29 @@ def test_begin_stages_the_small_blobs_and_chunks_come_once_when_asked(moved: Mov
     assert staging_dirs(moved.b) == []
 
 
+def test_a_fetch_broken_off_stages_nothing_and_the_next_try_starts_afresh(
+    moved: Moved,
+) -> None:
+    pull = moved.remote_b.lazy_pull(moved.found)
+    pull.begin()
+    try:
+        one = moved.chunks()[2]
+        moved.directory.cut.add(one.digest)
+        with pytest.raises(errors.Unavailable, match="connection reset"):
+            pull.fetch_chunk(one)
+        (staging,) = staging_dirs(moved.b)
+        left = os.listdir(os.path.join(moved.b.root, "ingest", staging))
+        assert not [n for n in left if one.digest.removeprefix("sha256:") in n]  # no part file
+        blob = pull.fetch_chunk(one)  # pulled again, whole: not the half of before
+        assert len(blob) == one.size and moved.directory.pulled.count(one.digest) == 2
+        for chunk in moved.chunks():
+            pull.fetch_chunk(chunk)
+        committed = pull.commit()
+    finally:
+        pull.close()
+    moved.b.reader.verify(committed, deep=True)
+
+
 def test_given_up_it_leaves_nothing(moved: Moved) -> None:
     pull = moved.remote_b.lazy_pull(moved.found)
     pull.begin()
@@ -138,4 +171,45 @@ def test_a_served_checkpoint_has_only_what_the_restore_reads_before_it_starts(
     finally:
         served.close()
     moved.b.reader.verify(committed, deep=True)
+    assert staging_dirs(moved.b) == []
+
+
+def _little_room(monkeypatch: pytest.MonkeyPatch, under: Path, free: int) -> None:
+    """statvfs says the filesystem of ``under`` has ``free`` bytes left."""
+    real = os.statvfs
+
+    def statvfs(path: Any) -> os.statvfs_result:
+        st = real(path)
+        if not os.fspath(path).startswith(str(under)):
+            return st
+        fields = list(st)  # f_bsize, f_frsize, f_blocks, f_bfree, f_bavail, ...
+        fields[3] = fields[4] = free // st.f_frsize
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+
+
+def test_no_room_for_the_raw_pages_is_refused_before_one_is_written(
+    moved: Moved, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    images = tmp_path / "work" / "images"
+    free = PAGES // 2  # the chunks, compressed, would fit; the raw pages do not
+    _little_room(monkeypatch, tmp_path / "work", free)
+    served = ServedCheckpoint(moved.remote_b.lazy_pull(moved.found), str(images))
+    try:
+        with pytest.raises(NoRoomForPages) as info:
+            served.prepare()
+        assert isinstance(info.value, errors.ResourceExhausted)
+        message = str(info.value)
+        assert f"checkpoint {moved.entry.id} " in message and str(images) in message
+        assert f"which has {free} free" in message
+        assert f"its raw memory pages ({PAGES} bytes)" in message
+        # The store is on this filesystem too: the chunks still to download count.
+        chunks = sum(c.size for c in moved.chunks())
+        assert f"needs {PAGES + chunks} bytes" in message
+        assert "from a full pull instead" in message
+        assert not (images / "pages-1.img").exists()  # nothing truncated, nothing fetched
+        assert not set(moved.directory.pulled) & {c.digest for c in moved.chunks()}
+    finally:
+        served.close()
     assert staging_dirs(moved.b) == []

@@ -3,16 +3,20 @@ page_server.py): CRIU 4.2's page_server_iov codec round-trips and is laid out as
 CRIU's C struct; a request maps to the right bytes of the right pages image and to
 the chunks holding them; the server answers GETs with the checkpoint's own bytes,
 fetching a chunk only when needed, and a chunk that does not verify (or cannot be
-fetched) is never served: the server stops answering and reports it."""
+fetched) is never served: the server stops answering and reports it. A fetch that
+fails as a network does is tried again a few times first (one that fetched a blob
+that does not verify is not), and never once the filler is stopped."""
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +34,7 @@ from cedana_shim.checkpoint.remote import page_protocol as proto
 from cedana_shim.checkpoint.remote.page_map import PageMap, PageRun
 from cedana_shim.checkpoint.remote.page_server import ChunkFiller, PageServer, unpack_chunk
 from cedana_shim.checkpoint.store.layout import Chunk
-from cedana_shim.errors import DataLoss
+from cedana_shim.errors import DataLoss, DeadlineExceeded, Unavailable
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -193,15 +197,29 @@ def test_unpack_chunk_checks_digest_size_and_frame() -> None:
 # -- the server, over a real socket ------------------------------------------------------
 
 
+PAGES_FILE = "pages-1.img"
+QUICK = (0.01, 0.02, 0.03)  # the retries' pauses, shortened: the tries are what counts
+
+
 class Served:
-    def __init__(self, tmp: Path, blobs: dict[str, bytes], pages: PageMap) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        blobs: dict[str, bytes],
+        pages: PageMap,
+        retry_delays: tuple[float, ...] = QUICK,
+        retry_within: float = 60.0,
+    ) -> None:
         self.blobs = blobs
         self.fetched: list[int] = []
         self.failures: list[BaseException] = []
         self.failed = threading.Event()
         self.gate = threading.Event()
         self.gate.set()
-        self.filler = ChunkFiller(str(tmp), pages, self.fetch, self.fail)
+        self.filler = ChunkFiller(
+            str(tmp), pages, self.fetch, self.fail, checkpoint="cp-1",
+            retry_delays=retry_delays, retry_within=retry_within,
+        )  # fmt: skip
         self.server = PageServer(pages, self.filler, self.fail)
         self.server.start()
         self.sock = self.server.daemon_end  # what the daemon inherits
@@ -287,18 +305,112 @@ def test_a_corrupt_chunk_is_never_served(served: Served) -> None:
         served.sock.recv(1)
 
 
-def test_a_fetch_that_fails_stops_every_answer(served: Served) -> None:
-    def broken(chunk: Chunk) -> bytes:
-        raise ConnectionError("registry gone")
+class Flaky:
+    """A fetch that raises ``errors`` in turn, then fetches; each try's offset in ``tries``."""
 
-    served.filler._fetch = broken
+    def __init__(self, served: Served, errors: list[BaseException]) -> None:
+        self.blobs = served.blobs
+        self.errors = errors
+        self.tries: list[int] = []
+        served.filler._fetch = self
+
+    def __call__(self, chunk: Chunk) -> bytes:
+        self.tries.append(chunk.offset)
+        if len(self.tries) <= len(self.errors):
+            raise self.errors[len(self.tries) - 1]
+        return self.blobs[chunk.digest]
+
+
+def test_a_fetch_that_fails_stops_every_answer(served: Served) -> None:
+    fetch = Flaky(served, [ConnectionError("registry gone")] * 4)
     served.sock.sendall(proto.encode(proto.PageIov(proto.PS_IOV_GET, 0, 1, BASE + 21 * PS, 7)))
     assert served.failed.wait(30)
-    assert isinstance(served.failures[0], ConnectionError)
-    assert len(served.failures) == 1  # the first failure only
+    (failure,) = served.failures  # the first failure only
+    assert isinstance(failure, Unavailable)
+    assert fetch.tries == [6 * PS] * 4
+    assert "4 tries in" in str(failure) and "registry gone" in str(failure)
+    assert f"({PAGES_FILE} at {6 * PS})" in str(failure)
+    assert isinstance(failure.__cause__, ConnectionError)
     served.sock.settimeout(0.2)
     with pytest.raises(TimeoutError):
         served.sock.recv(1)
+
+
+def test_a_fetch_that_fails_twice_then_succeeds_is_served(
+    served: Served, image: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    down = Unavailable("registry r: connection failed: reset by peer; retry later")
+    fetch = Flaky(served, [down, down])
+    with caplog.at_level(logging.WARNING, "cedana_shim.checkpoint.remote.page_server"):
+        _, data = served.get(7, BASE + 21 * PS, 1)
+    assert data == image[8 * PS : 9 * PS]
+    assert fetch.tries == [6 * PS] * 3
+    assert not served.failures and served.filler.failure is None
+    retries = [r for r in caplog.records if "trying again" in r.getMessage()]
+    logged = [(r.attempt, r.retry_in_s) for r in retries]  # type: ignore[attr-defined]
+    assert logged == [(1, QUICK[0]), (2, QUICK[1])]
+    assert all(r.levelno == logging.WARNING for r in retries)
+    assert retries[0].chunk == served.filler._pages.in_order()[2].digest
+    assert retries[0].checkpoint == "cp-1" and "reset by peer" in retries[0].error
+
+
+@pytest.mark.parametrize(
+    "error", [DataLoss("the bytes hash to sha256:0: the registry's copy is damaged"), None]
+)
+def test_a_blob_that_does_not_verify_is_not_fetched_again(
+    served: Served, error: DataLoss | None
+) -> None:
+    """The registry client's own check (DataLoss from the fetch), or the chunk's."""
+    first = served.filler._pages.in_order()[2]
+    if error is None:
+        packed = served.blobs[first.digest]
+        served.blobs[first.digest] = packed[:-1] + bytes([packed[-1] ^ 1])
+        fetch = Flaky(served, [])
+    else:
+        fetch = Flaky(served, [error])
+    served.sock.sendall(proto.encode(proto.PageIov(proto.PS_IOV_GET, 0, 1, BASE + 21 * PS, 7)))
+    assert served.failed.wait(30)
+    assert isinstance(served.failures[0], DataLoss)
+    assert fetch.tries == [6 * PS]
+
+
+def test_no_try_starts_past_the_bound(tmp_path: Path, image: bytes) -> None:
+    """A try that took longer than the bound (a timeout) is the last: reported as is."""
+    chunks, blobs = _chunks(PAGES_FILE, image, 3 * PS)
+    served = Served(tmp_path, blobs, PageMap({7: TASK}, chunks), retry_within=0.05)
+    tries: list[int] = []
+
+    def slow(chunk: Chunk) -> bytes:
+        tries.append(chunk.offset)
+        time.sleep(0.1)
+        raise DeadlineExceeded("registry r: no answer within 0.1s")
+
+    served.filler._fetch = slow
+    try:
+        with pytest.raises(DeadlineExceeded, match="no answer within"):
+            served.filler.fill([chunks[0]])
+        assert tries == [0]
+    finally:
+        served.close()
+
+
+def test_no_try_after_the_filler_is_stopped(tmp_path: Path, image: bytes) -> None:
+    chunks, blobs = _chunks(PAGES_FILE, image, 3 * PS)
+    served = Served(tmp_path, blobs, PageMap({7: TASK}, chunks), retry_delays=(30.0,))
+    tried = threading.Event()
+
+    def down(chunk: Chunk) -> bytes:
+        tried.set()
+        raise Unavailable("registry r: HTTP 503: busy; retry later")
+
+    served.filler._fetch = down
+    filling = served.filler.ensure(chunks[0])
+    assert tried.wait(30)
+    started = time.monotonic()
+    served.close()  # in the 30 s pause: it ends it, and no other try is made
+    assert time.monotonic() - started < 10
+    with pytest.raises(Exception, match="stopped"):
+        filling.result(0)
 
 
 def test_the_daemons_end_is_connected_to_the_server_alone(served: Served) -> None:

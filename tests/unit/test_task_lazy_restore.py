@@ -2,8 +2,11 @@
 lazy-pages`, from a real store: restored lazily, the lazy path failing (the daemon does
 not start, or dies once the tasks run) falls back to an eager restore of the same
 checkpoint, raw memory pages that fail their check while they are served give the task
-up for the blob, and a Kill while the pages still arrive leaves nothing behind. Real
-CRIU: tests/integration/test_lazy_restore.py."""
+up for the blob, and a Kill while the pages still arrive leaves nothing behind. From
+the registry (the remote store's real code over a shared directory): a bundle without
+room for the raw pages gets the checkpoint pulled whole instead, and a Delete before
+the Start drops what the Create staged. Real CRIU:
+tests/integration/test_lazy_restore.py, test_lazy_across_nodes.py."""
 
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ from cedana_shim.checkpoint.layers import CRIU_LAYER
 from cedana_shim.errors import Aborted
 from cedana_shim.lifecycle.process import State
 from fakes.fake_runc import PAGES_IMAGE
+from support.checkpoints import staging_dirs
 from task_support import COUNTER, TaskEnv, TaskWorld
+from test_lazy_pull import _little_room
 from test_task_restore import LABEL, counter_reaches, two_checkpoints
 
 LAZY = "--lazy-pages"
@@ -168,5 +173,62 @@ def test_kill_while_the_pages_arrive_leaves_nothing_behind(tmp_path: Path) -> No
         assert env.fake.live_pids() == [] and daemon_pids(env) == []
         assert not os.path.exists(os.path.join(env.container("c1").bundle, CRIU_GROUP_MARK))
         assert (await env.delete("c1")).exit_status == 137
+
+    lazy_world(tmp_path).run(body)
+
+
+# -- from the registry (lazy_remote.py): the remote store's real code over a shared dir --
+
+
+async def only_in_the_registry(env: TaskEnv, tmp_path: Path) -> str:
+    """The newer of two checkpoints, pushed to a registry and gone from the store: the
+    next start of the label serves it from the registry."""
+    _, newer = await two_checkpoints(env)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    env.reconfigure(registry=str(shared))
+    env.pipeline.delivery.remote().push(newer)
+    env.store.maintenance.remove(newer)
+    return newer
+
+
+def test_a_delete_before_the_start_drops_the_served_checkpoints_staging(tmp_path: Path) -> None:
+    async def body(env: TaskEnv) -> None:
+        newer = await only_in_the_registry(env, tmp_path)
+        await env.create("c1", COUNTER, label=LABEL)
+        plan = env.container("c1").restore.plan  # type: ignore[union-attr]
+        assert plan is not None and plan.served is not None and plan.entry.id == newer
+        assert staging_dirs(env.store)  # its small blobs and eager pages, staged
+        work = os.path.dirname(plan.work_dir)
+        assert os.path.isdir(work)
+        await env.delete("c1")  # never started
+        # Before: the staging dir stayed until the shim exited.
+        assert staging_dirs(env.store) == []
+        assert not os.path.exists(work)
+        assert restores(env) == [] and daemon_pids(env) == []
+
+    lazy_world(tmp_path).run(body)
+
+
+def test_no_room_for_the_raw_pages_pulls_the_checkpoint_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def body(env: TaskEnv) -> None:
+        newer = await only_in_the_registry(env, tmp_path)
+        bundles = env.world.tmp / "bundles"
+        _little_room(monkeypatch, bundles / "c1" / "work", 1 << 20)
+        await env.create("c1", COUNTER, label=LABEL)
+        plan = env.container("c1").restore.plan  # type: ignore[union-attr]
+        assert plan is not None and plan.served is None  # pulled, then unpacked
+        monkeypatch.undo()
+        pid = await env.start("c1")
+        await counter_reaches(env, "c1", "21")
+        outcome = outcome_of(env, "c1")
+        assert (outcome.outcome, outcome.checkpoint_id) == ("restored", newer)
+        assert "lazy restore impossible, pulling it whole: " in outcome.detail
+        assert f"restoring lazily checkpoint {newer} " in outcome.detail
+        assert "from a full pull instead" in outcome.detail
+        assert newer in env.checkpoints_of(LABEL)  # the full pull's
+        assert env.fake.live_pids() == [pid] and staging_dirs(env.store) == []
 
     lazy_world(tmp_path).run(body)

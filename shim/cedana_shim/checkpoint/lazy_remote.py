@@ -6,15 +6,18 @@ candidate when ``lazy_restore`` is on and the checkpoint's page images are chunk
    staged), the CRIU layer's small images are unpacked into the attempt's images
    dir, the pages images created there empty at their sizes, and the pages CRIU's
    restore reads itself (not lazy; shared memory's) filled before it starts
-   (remote/page_map.py).
+   (remote/page_map.py). The images dir is in the bundle's work dir, often not the
+   store's filesystem: unless it has room for the raw pages (and, on the store's
+   filesystem, for the chunks still to download), :class:`NoRoomForPages` before
+   any is written, and the session pulls the checkpoint whole instead.
 2. :meth:`ServedCheckpoint.serve` (at Start): the page server (remote/page_server.py)
    makes one private loopback connection to itself (it listens only until then, and
    keeps no connection but its own), whose other end ``criu lazy-pages --page-server
    --ps-socket FD`` inherits (runtime/lazy_pages.py); once the tasks run
    (:meth:`ServedCheckpoint.resumed`) the prefetcher fills the rest in address order
-   behind their faults. A failure of either (a registry that fails, a chunk
-   that does not verify) sets :attr:`ServedCheckpoint.failed`: the session then
-   abandons the restore, the tasks killed before the server closes.
+   behind their faults. A failure of either (a registry that still fails after a
+   few tries, a chunk that does not verify) sets :attr:`ServedCheckpoint.failed`:
+   the session then abandons the restore, the tasks killed before the server closes.
 3. :meth:`ServedCheckpoint.commit` once the daemon is done: the rest of the chunks
    are in (the prefetcher's), and the checkpoint is committed to the store as a pull
    would have. :meth:`close` in every case.
@@ -36,15 +39,21 @@ from .pagemap_image import Pagemap, read_pagemap_at
 from .remote.lazy_pull import LazyPull
 from .remote.page_map import PageMap
 from .remote.page_server import ChunkFiller, PageServer
+from .remote.pull import check_space
 from .store import Entry
 from .store.compress import extract_tar
 from .store.model import LayerInfo
 
-__all__ = ["ServedCheckpoint", "task_pagemaps"]
+__all__ = ["NoRoomForPages", "ServedCheckpoint", "task_pagemaps"]
 
 _TASK_PAGEMAP: Final = re.compile(r"pagemap-([0-9]+)\.img")
 # After the daemon is done the prefetcher has little left; this bounds the wait.
 COMMIT_TIMEOUT: Final = 600.0
+
+
+class NoRoomForPages(errors.ResourceExhausted):
+    """The images dir's filesystem has no room for the raw pages: a lazy restore is
+    impossible there, a full pull (its blobs in the store) may not be."""
 
 
 def task_pagemaps(image_dir: str) -> dict[int, Pagemap]:
@@ -89,8 +98,39 @@ class ServedCheckpoint:
         with self.pull.open_layer(CRIU_LAYER) as tar:
             extract_tar(tar, self.image_dir, f"checkpoint {self.checkpoint_id}: CRIU images")
         self._pages = PageMap(task_pagemaps(self.image_dir), self.pull.chunks(CRIU_LAYER))
-        self._filler = ChunkFiller(self.image_dir, self._pages, self.pull.fetch_chunk, self._fail)
+        self._check_space(sum(self._pages.files().values()))
+        self._filler = ChunkFiller(
+            self.image_dir,
+            self._pages,
+            self.pull.fetch_chunk,
+            self._fail,
+            checkpoint=self.checkpoint_id,
+        )
         self._filler.fill(self._pages.eager_chunks())
+
+    def _check_space(self, raw: int) -> None:
+        """NoRoomForPages unless the images dir has room for ``raw`` bytes of pages (the
+        chunks' sparse files fill as they come) and, when the store shares its
+        filesystem, for the blobs still to download too."""
+        need, also = raw, ""
+        if os.stat(self.image_dir).st_dev == os.stat(self.pull.store_root).st_dev:
+            pending = self.pull.pending_bytes()
+            need += pending
+            also = f" and its chunks still to download ({pending} bytes, the store is there too)"
+        try:
+            check_space(
+                self.image_dir,
+                need,
+                self.pull.remote,
+                doing="restoring lazily",
+                then=(
+                    f"that is its raw memory pages ({raw} bytes){also}; restoring it from "
+                    "a full pull instead. Free space on that filesystem (the container's "
+                    "bundle) for lazy restores"
+                ),
+            )
+        except errors.ResourceExhausted as err:
+            raise NoRoomForPages(str(err)) from None
 
     def entry(self) -> Entry:
         """The checkpoint as the store will hold it once committed (what the session

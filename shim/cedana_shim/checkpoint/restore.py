@@ -302,6 +302,7 @@ class RestoreSession:
         self._refused: tuple[str, str] | None = None  # and its (checkpoint, why)
         self._since = time.monotonic()  # when prepare or run began (RestoreReport.total)
         self.plan: Plan | None = None
+        self._ran = False  # run() took the plan: its attempts drop what they hold
 
     @property
     def container_id(self) -> str:
@@ -327,6 +328,18 @@ class RestoreSession:
         else:
             self._lap()
         return self.plan is not None
+
+    async def discard(self) -> None:
+        """The container goes without its Start (a Delete after the Create): drop what
+        the prepared plan holds, which only an attempt would have (a served checkpoint's
+        staging dir in the store, the attempt's work dir). Nothing once :meth:`run`
+        began: each of its attempts drops its own."""
+        plan, self.plan = self.plan, None
+        if plan is None or self._ran:
+            return
+        if plan.served is not None:
+            await asyncio.to_thread(plan.served.close)
+        await asyncio.to_thread(_discard_work, plan)
 
     @property
     def _by_hand(self) -> bool:
@@ -573,8 +586,9 @@ class RestoreSession:
         """``candidate`` ready for a lazy restore from the registry: checked as
         :meth:`_pull` checks it, its small blobs staged and unpacked, the pages CRIU
         reads itself in (lazy_remote.py). None when refused (recorded), or when only a
-        full pull can restore it (its pages are not chunks; in ``_eager_only`` then)."""
-        from .lazy_remote import ServedCheckpoint  # the lazy restore's only
+        full pull can restore it (in ``_eager_only`` then: its pages are not chunks, or
+        the bundle's filesystem has no room for them raw)."""
+        from .lazy_remote import NoRoomForPages, ServedCheckpoint  # the lazy restore's only
 
         assert self._remote is not None
         node = candidate.node or f"#{candidate.node_hash}"
@@ -608,6 +622,12 @@ class RestoreSession:
                 await asyncio.to_thread(served.close)
             await asyncio.to_thread(shutil.rmtree, work, True)
             await host.reset_rootfs()
+            if isinstance(err, NoRoomForPages):
+                # Nothing wrong with the checkpoint: a full pull puts its blobs in the
+                # store (and checks the room there itself).
+                self._skip(what, f"lazy restore impossible, pulling it whole: {err}")
+                self._eager_only.add(candidate.checkpoint_id)
+                return None
             self._refuse(_kind(err, DataLoss), what, f"cannot pull it: {err}")
             if isinstance(err, DataLoss):  # what the registry holds is bad, not the link
                 await asyncio.to_thread(
@@ -779,6 +799,7 @@ class RestoreSession:
         hand that fails (and may not start cold) raises, the attempt undone.
         """
         self._since = time.monotonic()
+        self._ran = True
         plan = self.plan
         while plan is not None:
             try:

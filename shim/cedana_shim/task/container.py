@@ -540,6 +540,12 @@ class Container:
                 with contextlib.suppress(NotFound):
                     await self.runc.delete(self.id, force=self.init.state is State.CREATED)
             exit_info = self.init.exit or ExitInfo(0, 0.0)
+            if self.restore is not None:
+                # Deleted after its Create, never started: what was prepared for the
+                # Start (a registry checkpoint's staging dir) would stay until the shim
+                # exits. Left to the store's gc, rather than failing the Delete, if not.
+                with contextlib.suppress(ShimError, OSError):
+                    await self.restore.discard()
             await self._release()
             self.init.commit("delete")
             if not self.init.exited.done():
@@ -566,6 +572,9 @@ class Container:
                 )
 
     async def _cleanup_failed_create(self) -> None:
+        if self.restore is not None:
+            with contextlib.suppress(Exception):
+                await self.restore.discard()
         with contextlib.suppress(Exception):
             await self.runc.delete(self.id, force=True)
         with contextlib.suppress(Exception):

@@ -90,6 +90,7 @@ class LazyPull:
         self.manifest: Manifest | None = None
         self.config: Config | None = None
         self._layers: Layers = {}
+        self._missing: dict[str, int] = {}  # blobs the store did not have: digest -> size
         self._meter = Meter(0, None)
 
     def begin(self) -> None:
@@ -107,6 +108,7 @@ class LazyPull:
         blobs = manifest_blobs(manifest)
         missing = {d: s for d, s in blobs.items() if not adoption.link_existing(d, s)}
         check_space(self._adopter.root, sum(missing.values()), self.remote)
+        self._missing = missing
         cdesc = manifest.config
         self._stage(cdesc.digest, cdesc.size)
         self.config = parse_config(
@@ -114,6 +116,16 @@ class LazyPull:
         )
         for desc in manifest.layers:
             self._stage(desc.digest, desc.size)
+
+    @property
+    def store_root(self) -> str:
+        """Where the blobs are staged: the store's root."""
+        return self._adopter.root
+
+    def pending_bytes(self) -> int:
+        """Bytes of the blobs still to download into the staging dir."""
+        staged = self._open().staged
+        return sum(size for digest, size in self._missing.items() if digest not in staged)
 
     def chunks(self, layer: str) -> tuple[Chunk, ...]:
         assert self.manifest is not None
@@ -142,7 +154,11 @@ class LazyPull:
 
     def fetch_chunk(self, chunk: Chunk) -> bytes:
         """Chunk ``chunk``'s blob, staged on the way (or read back when it was staged
-        already); the caller checks it before it uses a byte (page_server.unpack_chunk)."""
+        already); the caller checks it before it uses a byte (page_server.unpack_chunk).
+
+        A call that raises leaves nothing staged (write_blob removes its part file and
+        records the blob only once ``fill`` returned), and keeps nothing of its bytes:
+        the caller may simply call again (page_server.ChunkFiller retries)."""
         adoption = self._open()
         if chunk.digest in adoption.staged:
             return adoption.read_staged(chunk.digest, chunk.size)

@@ -16,8 +16,14 @@ request for pages no pagemap has, stops the server from answering anything more
 (the daemon and its faulting tasks wait) and reports the error through
 ``on_failure``. The owner then freezes the daemon and kills the tasks
 (PagesDaemon.abandon) before it closes the server, so that no task ever reads a
-page nobody filled. Threads, not asyncio: the work is blocking reads, hashing and
-decompression, and the daemon's one connection is served in order.
+page nobody filled. "Cannot be fetched" means after a few tries: a fetch that fails
+as a network or a busy registry does (Unavailable, DeadlineExceeded, OSError) is tried
+again after a short pause (``FETCH_RETRY_DELAYS``, no try later than
+``FETCH_RETRY_WITHIN`` after the first), the faulting task waiting meanwhile; a blob
+that arrives but does not verify (DataLoss) is never fetched again.
+
+Threads, not asyncio: the work is blocking reads, hashing and decompression, and the
+daemon's one connection is served in order.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
@@ -51,6 +58,17 @@ OnFailure = Callable[[BaseException], None]
 URGENT_WORKERS: Final = 4  # faults: each waits for its chunk alone
 PREFETCH_WORKERS: Final = 3  # behind them; fewer, so that faults find the link free
 _FILE_FLAGS: Final = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+# A failed fetch ends a restore whose tasks already run (they are killed, and it falls
+# back to a full pull): a registry that resets a connection or answers 503 for a
+# moment is worth a few short waits, which a faulting task sits through.
+FETCH_RETRY_DELAYS: Final = (0.2, 0.5, 1.0)  # seconds before the 2nd, 3rd, 4th try
+# No try starts later than this after the first began: with registry_timeout's 30 s
+# default a fetch that timed out is tried once more, not three times.
+FETCH_RETRY_WITHIN: Final = 60.0
+# What a network or a busy registry does (the registry client maps connection errors
+# and 408/429/5xx to Unavailable, timeouts to DeadlineExceeded). Not DataLoss: a blob
+# that arrived but does not verify is forged or damaged, and would be again.
+_TRANSIENT: Final = (errors.Unavailable, errors.DeadlineExceeded, OSError)
 
 
 def unpack_chunk(packed: bytes, chunk: Chunk, describe: str) -> bytes:
@@ -84,12 +102,26 @@ class ChunkFiller:
 
     Thread-safe. A chunk blob that several places share is fetched once and written
     to each. ``failure`` holds the first error; after it nothing more is filled.
+    ``checkpoint`` names the checkpoint in the log.
     """
 
-    def __init__(self, image_dir: str, pages: PageMap, fetch: Fetch, on_failure: OnFailure) -> None:
+    def __init__(
+        self,
+        image_dir: str,
+        pages: PageMap,
+        fetch: Fetch,
+        on_failure: OnFailure,
+        *,
+        checkpoint: str = "",
+        retry_delays: Sequence[float] = FETCH_RETRY_DELAYS,
+        retry_within: float = FETCH_RETRY_WITHIN,
+    ) -> None:
         self._pages = pages
         self._fetch = fetch
         self._on_failure = on_failure
+        self._checkpoint = checkpoint
+        self._retry_delays = tuple(retry_delays)
+        self._retry_within = retry_within
         self._lock = threading.Lock()
         self._places: dict[str, list[Chunk]] = {}
         for chunk in pages.in_order():
@@ -152,12 +184,44 @@ class ChunkFiller:
         first = places[0]
         describe = f"chunk {digest} ({first.file} at {first.offset})"
         try:
-            raw = unpack_chunk(self._fetch(first), first, describe)
+            raw = unpack_chunk(self._fetch_retrying(first, describe), first, describe)
             for chunk in places:
                 _pwrite_all(self.fds[chunk.file], raw, chunk.offset)
         except BaseException as err:
             self._fail(err)
             raise
+
+    def _fetch_retrying(self, chunk: Chunk, describe: str) -> bytes:
+        """``fetch(chunk)``, tried again after a transient failure (see the module doc)."""
+        started = time.monotonic()
+        for attempt, delay in enumerate((*self._retry_delays, None), 1):
+            try:
+                return self._fetch(chunk)
+            except _TRANSIENT as err:
+                elapsed = time.monotonic() - started
+                if delay is None or elapsed + delay > self._retry_within:
+                    if attempt == 1:
+                        raise
+                    raise _gave_up(err)(
+                        f"{describe}: {attempt} tries in {elapsed:.1f}s failed, the last: {err}"
+                    ) from err
+                if self._stopped.is_set():
+                    raise
+                logger.warning(
+                    "fetching a chunk of the pages failed; trying again",
+                    extra={
+                        "checkpoint": self._checkpoint,
+                        "chunk": chunk.digest,
+                        "file": chunk.file,
+                        "offset": chunk.offset,
+                        "attempt": attempt,
+                        "retry_in_s": delay,
+                        "error": str(err),
+                    },
+                )
+                if self._stopped.wait(delay):
+                    raise errors.Cancelled("the page server was stopped") from err
+        raise AssertionError("unreachable: the last try returns or raises")
 
     def _prefetch(self) -> None:
         with ThreadPoolExecutor(PREFETCH_WORKERS, thread_name_prefix="cedana-pages-ahead") as pool:
@@ -241,7 +305,10 @@ class PageServer:
         try:
             self._serve(conn)
         except BaseException as err:
-            if not isinstance(err, OSError) or self._filler.failure is None:
+            # The filler reported its own failure (which a request waiting for its chunk
+            # raises here too); the socket's errors after it are its consequence.
+            failed = self._filler.failure
+            if failed is None or not (err is failed or isinstance(err, OSError)):
                 self._on_failure(err)
 
     def _serve(self, conn: socket.socket) -> None:
@@ -327,6 +394,14 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes | None:
             raise errors.DataLoss(f"the lazy-pages daemon sent {len(buf)} of {n} header bytes")
         buf += block
     return bytes(buf)
+
+
+def _gave_up(err: BaseException) -> type[errors.ShimError]:
+    """The class of the error that ends a chunk's tries, from the last one's: a plain
+    OSError (the transport's own) reads as the registry being unavailable."""
+    return (
+        errors.DeadlineExceeded if isinstance(err, errors.DeadlineExceeded) else errors.Unavailable
+    )
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

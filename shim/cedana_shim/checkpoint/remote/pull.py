@@ -152,14 +152,23 @@ def _free_bytes(root: str) -> int:
         raise errors.Internal(f"checking free space in {root}: {err}") from err
 
 
-def check_space(root: str, need: int, remote: RemoteCheckpoint) -> int:
-    """The bytes free beyond ``need`` and the margin; ResourceExhausted if there are none."""
+def check_space(
+    root: str,
+    need: int,
+    remote: RemoteCheckpoint,
+    *,
+    doing: str = "pulling",
+    then: str = "nothing was downloaded. Free space there (`cedana checkpoints prune`) and retry",
+) -> int:
+    """The bytes free beyond ``need`` and the margin on the filesystem of ``root``;
+    ResourceExhausted if there are none, saying that ``doing`` the checkpoint needs
+    them and ``then`` what became of it and what to do."""
     free = _free_bytes(root)
     if need + FREE_MARGIN_BYTES > free:
         raise errors.ResourceExhausted(
-            f"pulling checkpoint {remote.checkpoint_id} ({remote.ref}) needs {need} bytes in "
-            f"{root}, which has {free} free; nothing was downloaded. Free space there "
-            "(`cedana checkpoints prune`) and retry"
+            f"{doing} checkpoint {remote.checkpoint_id} ({remote.ref}) needs {need} bytes "
+            f"in {root} (and {FREE_MARGIN_BYTES >> 20} MiB to spare), which has {free} "
+            f"free; {then}"
         )
     return free - need - FREE_MARGIN_BYTES
 
