@@ -5,10 +5,12 @@ redirect blobs, lie about sizes and digests, refuse a commit)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import http.server
 import io
 import json
+import socket
 import threading
 import time
 import urllib.parse
@@ -392,3 +394,27 @@ def test_server_errors_are_unavailable_with_a_bounded_message(
         _client(server).blob_exists(REPO, _digest(b"x"))
     assert server.host in str(caught.value)
     assert len(str(caught.value)) < 1000
+
+
+def test_a_tls_handshake_cut_short_does_not_blame_the_ca() -> None:
+    """A registry (or a proxy) that drops the connection mid-handshake is a network
+    failure: the hint to set registry_ca is for a certificate this node refused."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    host = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def hang_up() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                conn.recv(1024)  # the ClientHello
+                conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        client = RegistryClient(RegistryConfig(registry=f"{host}/cedana", timeout=5.0))
+        with pytest.raises(Unavailable, match="TLS handshake") as caught:
+            client.blob_exists(REPO, _digest(b"x"))
+        assert "registry_ca" not in str(caught.value)
+        assert host in str(caught.value)
+    finally:
+        listener.close()

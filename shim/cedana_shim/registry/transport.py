@@ -251,10 +251,13 @@ class Transport:
 
     def _network_error(self, err: Exception, what: str) -> ShimError:
         if isinstance(err, SSLError | ssl.SSLError):
-            return errors.Unavailable(
-                f"registry {self.host}: {what}: TLS failed: {err}; if the registry's certificate "
-                "is signed by a private CA, set registry_ca to that CA's PEM file"
+            hint = (
+                "if the registry's certificate is signed by a private CA, set registry_ca to "
+                "that CA's PEM file"
+                if _certificate_refused(err)
+                else "the connection broke during the TLS handshake; retry later"
             )
+            return errors.Unavailable(f"registry {self.host}: {what}: TLS failed: {err}; {hint}")
         if isinstance(err, NewConnectionError):
             return errors.Unavailable(
                 f"registry {self.host}: {what}: cannot connect: {err}; check that the registry "
@@ -268,6 +271,22 @@ class Transport:
         return errors.Unavailable(
             f"registry {self.host}: {what}: connection failed: {err}; retry later"
         )
+
+
+def _certificate_refused(err: BaseException) -> bool:
+    """Whether a TLS error is this node refusing the registry's certificate (rather
+    than a connection cut mid-handshake, where registry_ca is not the cure)."""
+    seen: set[int] = set()
+    todo: list[object] = [err]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return True
+        todo += [*e.args, e.__cause__, e.__context__]
+    return "CERTIFICATE_VERIFY_FAILED" in str(err)
 
 
 def discard(response: Response) -> None:
