@@ -220,6 +220,17 @@ def test_local_data_that_no_longer_matches_its_digest_is_never_committed(
     assert list(state_dir.iterdir()) == []
 
 
+def _dies_after(chunks: int, chunk: int) -> Callable[[int], None]:
+    """A push's progress callback: the pushing process "dies" once the registry has
+    acknowledged ``chunks`` chunks of ``chunk`` bytes."""
+
+    def progress(done: int) -> None:
+        if done == chunks * chunk:
+            raise Unavailable("the pushing process dies here")
+
+    return progress
+
+
 def test_a_resumed_push_whose_source_changed_is_refused_by_the_registry(
     registry: Registry, tls: TlsFiles, auth_file: Path, tmp_path: Path
 ) -> None:
@@ -227,15 +238,11 @@ def test_a_resumed_push_whose_source_changed_is_refused_by_the_registry(
     state_dir = tmp_path / "uploads"
     blob = Source(os.urandom(4 * chunk))
 
-    def fail_after_two_chunks(done: int) -> None:
-        if done == 2 * chunk:
-            raise Unavailable("the pushing process dies here")
-
     client = _client(
         registry, tls=tls, auth_file=auth_file, upload_state_dir=state_dir, chunk_size=chunk
     )
     with pytest.raises(Unavailable):
-        client.push_blob(REPO, blob.digest, blob.size, blob, fail_after_two_chunks)
+        client.push_blob(REPO, blob.digest, blob.size, blob, _dies_after(2, chunk))
     # The part not sent yet changed: the registry holds two good chunks, then two bad.
     changed = Source(blob.data[:-1] + b"!")
     with pytest.raises(DataLoss, match="changed or is damaged"):
@@ -267,15 +274,11 @@ def test_a_push_by_content_resumes_under_its_key_in_a_new_process(
     state_dir = tmp_path / "uploads"
     blob = Source(os.urandom(6 * chunk + 5))
 
-    def fail_after_three_chunks(done: int) -> None:
-        if done == 3 * chunk:
-            raise Unavailable("the pushing process dies here")
-
     first = _client(
         registry, tls=tls, auth_file=auth_file, upload_state_dir=state_dir, chunk_size=chunk
     )
     with pytest.raises(Unavailable):
-        first.push_blob_by_content(REPO, "k2", blob.size, blob, fail_after_three_chunks)
+        first.push_blob_by_content(REPO, "k2", blob.size, blob, _dies_after(3, chunk))
     assert client_has_nothing(first, blob)
     second = _client(
         registry, tls=tls, auth_file=auth_file, upload_state_dir=state_dir, chunk_size=chunk
@@ -299,15 +302,11 @@ def test_a_push_by_content_whose_resumed_bytes_differ_is_refused_by_the_registry
     state_dir = tmp_path / "uploads"
     blob = Source(os.urandom(4 * chunk))
 
-    def fail_after_two_chunks(done: int) -> None:
-        if done == 2 * chunk:
-            raise Unavailable("the pushing process dies here")
-
     client = _client(
         registry, tls=tls, auth_file=auth_file, upload_state_dir=state_dir, chunk_size=chunk
     )
     with pytest.raises(Unavailable):
-        client.push_blob_by_content(REPO, "k3", blob.size, blob, fail_after_two_chunks)
+        client.push_blob_by_content(REPO, "k3", blob.size, blob, _dies_after(2, chunk))
     # The same key now gives other bytes in the part already sent.
     other = Source(b"!" + blob.data[1:])
     with pytest.raises(DataLoss, match="DIGEST_INVALID"):
