@@ -152,7 +152,7 @@ class LazyPull:
             blob.close()
             raise
 
-    def fetch_chunk(self, chunk: Chunk) -> bytes:
+    def fetch_chunk(self, chunk: Chunk) -> bytes | bytearray:
         """Chunk ``chunk``'s blob, staged on the way (or read back when it was staged
         already); the caller checks it before it uses a byte (page_server.unpack_chunk).
 
@@ -177,7 +177,7 @@ class LazyPull:
 
         # Kept in memory as it streams into the staging dir: no read back, no third hash.
         adoption.write_blob(chunk.digest, chunk.size, fill)
-        return bytes(kept.data)
+        return kept.data  # not copied: the caller only reads it
 
     def commit(self) -> Entry:
         """Every blob staged (any not fetched yet downloaded now), then the checkpoint

@@ -52,7 +52,7 @@ __all__ = ["ChunkFiller", "Fetch", "PageServer", "unpack_chunk"]
 
 logger = logging.getLogger(__name__)
 
-Fetch = Callable[[Chunk], bytes]  # a chunk's blob, as stored (zstd)
+Fetch = Callable[[Chunk], bytes | bytearray]  # a chunk's blob, as stored (zstd)
 OnFailure = Callable[[BaseException], None]
 
 URGENT_WORKERS: Final = 4  # faults: each waits for its chunk alone
@@ -71,7 +71,7 @@ FETCH_RETRY_WITHIN: Final = 60.0
 _TRANSIENT: Final = (errors.Unavailable, errors.DeadlineExceeded, OSError)
 
 
-def unpack_chunk(packed: bytes, chunk: Chunk, describe: str) -> bytes:
+def unpack_chunk(packed: bytes | bytearray, chunk: Chunk, describe: str) -> bytearray:
     """The raw bytes of ``chunk`` from its blob; DataLoss unless the blob is exactly
     the one the manifest names and decompresses to exactly its raw size."""
     if len(packed) != chunk.size:
@@ -94,7 +94,7 @@ def unpack_chunk(packed: bytes, chunk: Chunk, describe: str) -> bytes:
         while filled < chunk.raw_size and (n := reader.readinto(view[filled:])):
             filled += n
         reader.drain()
-    return bytes(raw)
+    return raw  # not copied into bytes: 8 MiB per chunk, written out at once
 
 
 class ChunkFiller:
@@ -191,7 +191,7 @@ class ChunkFiller:
             self._fail(err)
             raise
 
-    def _fetch_retrying(self, chunk: Chunk, describe: str) -> bytes:
+    def _fetch_retrying(self, chunk: Chunk, describe: str) -> bytes | bytearray:
         """``fetch(chunk)``, tried again after a transient failure (see the module doc)."""
         started = time.monotonic()
         for attempt, delay in enumerate((*self._retry_delays, None), 1):
@@ -404,7 +404,7 @@ def _gave_up(err: BaseException) -> type[errors.ShimError]:
     )
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+def _pwrite_all(fd: int, data: bytes | bytearray, offset: int) -> None:
     view = memoryview(data)
     while view:
         n = os.pwrite(fd, view, offset)
