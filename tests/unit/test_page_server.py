@@ -32,7 +32,8 @@ from cedana_shim.checkpoint.pagemap_image import (
 )
 from cedana_shim.checkpoint.remote import page_protocol as proto
 from cedana_shim.checkpoint.remote.page_map import PageMap, PageRun
-from cedana_shim.checkpoint.remote.page_server import ChunkFiller, PageServer, unpack_chunk
+from cedana_shim.checkpoint.remote.page_server import ChunkFiller, PageServer
+from cedana_shim.checkpoint.store.chunks import unpack_chunk
 from cedana_shim.checkpoint.store.layout import Chunk
 from cedana_shim.errors import DataLoss, DeadlineExceeded, Unavailable
 from hypothesis import given
@@ -175,23 +176,27 @@ def test_pagemap_larger_than_its_chunks_is_data_loss() -> None:
         PageMap({7: TASK}, chunks)
 
 
+def _unpack(packed: bytes, chunk: Chunk) -> memoryview:
+    return unpack_chunk(packed, chunk, "c", memoryview(bytearray(chunk.raw_size)))
+
+
 def test_unpack_chunk_checks_digest_size_and_frame() -> None:
     chunks, blobs = _chunks("pages-1.img", os.urandom(2 * PS), 2 * PS)
     chunk = chunks[0]
     packed = blobs[chunk.digest]
-    assert len(unpack_chunk(packed, chunk, "c")) == 2 * PS
+    assert len(_unpack(packed, chunk)) == 2 * PS
     flipped = bytearray(packed)
     flipped[-1] ^= 1
     with pytest.raises(DataLoss, match="sha256"):
-        unpack_chunk(bytes(flipped), chunk, "c")
+        _unpack(bytes(flipped), chunk)
     with pytest.raises(DataLoss, match="bytes"):
-        unpack_chunk(packed[:-1], chunk, "c")
+        _unpack(packed[:-1], chunk)
     # A blob whose digest is right but whose frame says another size: refused.
     other = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(PS))
     lying = Chunk("pages-1.img", 0, 2 * PS, "sha256:" + hashlib.sha256(other).hexdigest(),
                   len(other))  # fmt: skip
     with pytest.raises(DataLoss, match="zstd frame"):
-        unpack_chunk(other, lying, "c")
+        _unpack(other, lying)
 
 
 # -- the server, over a real socket ------------------------------------------------------

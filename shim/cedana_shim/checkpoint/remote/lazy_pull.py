@@ -154,7 +154,7 @@ class LazyPull:
 
     def fetch_chunk(self, chunk: Chunk) -> bytes | bytearray:
         """Chunk ``chunk``'s blob, staged on the way (or read back when it was staged
-        already); the caller checks it before it uses a byte (page_server.unpack_chunk).
+        already); the caller checks it before it uses a byte (store/chunks.unpack_chunk).
 
         A call that raises leaves nothing staged (write_blob removes its part file and
         records the blob only once ``fill`` returned), and keeps nothing of its bytes:

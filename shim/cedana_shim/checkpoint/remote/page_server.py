@@ -29,7 +29,6 @@ daemon's one connection is served in order.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import socket
@@ -39,16 +38,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
-import zstandard
-
 from cedana_shim import errors
 
-from ..store.compress import RawBound, ZstdReader
+from ..store.chunks import unpack_chunk
+from ..store.fsutil import pwrite_all
 from ..store.layout import Chunk
 from . import page_protocol as proto
 from .page_map import PageMap, PageRun
 
-__all__ = ["ChunkFiller", "Fetch", "PageServer", "unpack_chunk"]
+__all__ = ["ChunkFiller", "Fetch", "PageServer"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,32 +67,6 @@ FETCH_RETRY_WITHIN: Final = 60.0
 # and 408/429/5xx to Unavailable, timeouts to DeadlineExceeded). Not DataLoss: a blob
 # that arrived but does not verify is forged or damaged, and would be again.
 _TRANSIENT: Final = (errors.Unavailable, errors.DeadlineExceeded, OSError)
-
-
-def unpack_chunk(packed: bytes | bytearray, chunk: Chunk, describe: str) -> bytearray:
-    """The raw bytes of ``chunk`` from its blob; DataLoss unless the blob is exactly
-    the one the manifest names and decompresses to exactly its raw size."""
-    if len(packed) != chunk.size:
-        raise errors.DataLoss(f"{describe}: blob is {len(packed)} bytes, expected {chunk.size}")
-    digest = "sha256:" + hashlib.sha256(packed).hexdigest()
-    if digest != chunk.digest:
-        raise errors.DataLoss(f"{describe}: sha256 is {digest}, expected {chunk.digest}")
-    try:
-        content_size = zstandard.get_frame_parameters(packed).content_size
-    except zstandard.ZstdError as err:
-        raise errors.DataLoss(f"{describe}: corrupt zstd data ({err})") from None
-    if content_size != chunk.raw_size:
-        raise errors.DataLoss(
-            f"{describe}: its zstd frame holds {content_size} bytes, {chunk.raw_size} recorded"
-        )
-    raw = bytearray(chunk.raw_size)
-    view = memoryview(raw)
-    with ZstdReader(packed, RawBound(chunk.raw_size, describe), describe) as reader:
-        filled = 0
-        while filled < chunk.raw_size and (n := reader.readinto(view[filled:])):
-            filled += n
-        reader.drain()
-    return raw  # not copied into bytes: 8 MiB per chunk, written out at once
 
 
 class ChunkFiller:
@@ -184,9 +156,10 @@ class ChunkFiller:
         first = places[0]
         describe = f"chunk {digest} ({first.file} at {first.offset})"
         try:
-            raw = unpack_chunk(self._fetch_retrying(first, describe), first, describe)
+            packed = self._fetch_retrying(first, describe)
+            raw = unpack_chunk(packed, first, describe, memoryview(bytearray(first.raw_size)))
             for chunk in places:
-                _pwrite_all(self.fds[chunk.file], raw, chunk.offset)
+                pwrite_all(self.fds[chunk.file], raw, chunk.offset)
         except BaseException as err:
             self._fail(err)
             raise
@@ -402,11 +375,3 @@ def _gave_up(err: BaseException) -> type[errors.ShimError]:
     return (
         errors.DeadlineExceeded if isinstance(err, errors.DeadlineExceeded) else errors.Unavailable
     )
-
-
-def _pwrite_all(fd: int, data: bytes | bytearray, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n

@@ -55,6 +55,7 @@ __all__ = [
     "read_chunk",
     "split_file_list",
     "split_files_of",
+    "unpack_chunk",
     "write_split_tar",
 ]
 
@@ -301,12 +302,22 @@ def read_chunk(fd: int, chunk: Chunk, describe: str, buffers: ChunkBuffers) -> m
     got = 0
     while got < chunk.size and (n := os.preadv(fd, [packed[got:]], got)):
         got += n
-    digest = f"sha256:{hashlib.sha256(packed[:got]).hexdigest()}"
+    return unpack_chunk(packed[:got], chunk, describe, buffers.get("raw", chunk.raw_size))
+
+
+def unpack_chunk(packed: fsutil.Bytes, chunk: Chunk, describe: str, raw: memoryview) -> memoryview:
+    """The raw bytes of ``chunk`` from its whole blob ``packed``, decompressed into
+    ``raw`` (``chunk.raw_size`` bytes); DataLoss unless the blob is exactly the one the
+    manifest names and one zstd frame of exactly its recorded raw size."""
+    if len(packed) != chunk.size:
+        raise errors.DataLoss(
+            f"{describe}: blob is {len(packed)} bytes, expected {chunk.size} (truncated?)"
+        )
+    digest = f"sha256:{hashlib.sha256(packed).hexdigest()}"
     if digest != chunk.digest:
         raise errors.DataLoss(
             f"{describe}: blob is corrupt (sha256 is {digest}, expected {chunk.digest})"
         )
-    raw = buffers.get("raw", chunk.raw_size)
     try:
         # Checked first: the frame header says how much it holds.
         content_size = zstandard.get_frame_parameters(packed).content_size
@@ -334,13 +345,6 @@ def _load(
         return read_chunk(fd, chunk, what, buffers)
     finally:
         os.close(fd)
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def extract_split_files(
@@ -374,7 +378,7 @@ def extract_split_files(
 
         def put(chunk: Chunk) -> None:
             data = _load(chunk, open_chunk, describe, buffers)
-            _pwrite_all(fds[chunk.file], data, chunk.offset)
+            fsutil.pwrite_all(fds[chunk.file], data, chunk.offset)
 
         if workers > 1 and len(layer.chunks) > 1:
             with ThreadPoolExecutor(workers, thread_name_prefix="cedana-unchunk") as pool:

@@ -37,6 +37,7 @@ __all__ = [
     "open_dir",
     "open_file",
     "opened_dir",
+    "pwrite_all",
     "read_file_at",
     "remove_entry",
     "sha256_bytes",
@@ -60,6 +61,14 @@ def write_all(fd: int, data: Bytes) -> None:
     while view:
         n = os.write(fd, view)
         view = view[n:]
+
+
+def pwrite_all(fd: int, data: Bytes, offset: int) -> None:
+    """``data`` at ``offset`` of ``fd``, however many writes it takes."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 _SYNC_FILE_RANGE_WRITE: Final = 2  # start writing the range back; wait for nothing

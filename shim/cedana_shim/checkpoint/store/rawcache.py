@@ -45,7 +45,7 @@ from cedana_shim import errors
 
 from .compress import CHUNK, RawBound, member_path
 from .filelist import FileList, RawFile, dump_file_list
-from .fsutil import sha256_bytes, write_all
+from .fsutil import pwrite_all, sha256_bytes, write_all
 from .layout import Chunk, ConfigLayer
 
 __all__ = ["CACHE_DIR_PREFIX", "CacheBuilder", "ChunkSink", "crc32_combine"]
@@ -119,10 +119,7 @@ class _Placer:
     def write(self, data: bytes) -> int:
         offset = self._chunk.offset + self.bound.count
         self.bound.add(len(data))  # before a byte past the chunk's end is written
-        view = memoryview(data)
-        while view:
-            k = os.pwrite(self._fd, view, offset)
-            view, offset = view[k:], offset + k
+        pwrite_all(self._fd, data, offset)
         self.crc = zlib.crc32(data, self.crc)
         return len(data)
 
