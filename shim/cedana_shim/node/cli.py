@@ -548,10 +548,10 @@ def _agent_api(args: argparse.Namespace, api: Any, opts: Any, taints: Any, stop:
 
     def registry_client() -> Any:
         """The node's registry client, made again only when the node config changes."""
+        from ..checkpoint.remote.remote import node_registry
         from ..config import load_node_config
         from ..errors import ShimError
         from .pending_pushes import host_view
-        from .registry_use import node_registry
 
         try:
             config = host_view(host, load_node_config(host.path(opts.shim_config), env={}))

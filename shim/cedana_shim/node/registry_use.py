@@ -15,34 +15,15 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from .. import errors
-from ..checkpoint.remote.shared_dir import SharedDirectory, names_shared_dir
 from ..checkpoint.remote.tags import parse_tag
 from ..checkpoint.store.layout import ANN_LABEL, load_json
-from ..config import NodeConfig
-from ..registry import Registry, RegistryClient, RegistryConfig
+from ..registry import Registry
 
-__all__ = ["RegistryUse", "node_registry"]
+__all__ = ["RegistryUse"]
 
 MAX_REMEMBERED: Final = 50_000  # manifests' blob lists kept (a few hundred bytes each)
 
 Blobs = list[tuple[str, int]]
-
-
-def node_registry(config: NodeConfig) -> Registry | None:
-    """The registry the node config names, as RemoteStore.from_config reaches it
-    (paths as this process sees them: pending_pushes.host_view); None without one."""
-    if not config.registry:
-        return None
-    if names_shared_dir(config.registry):
-        return SharedDirectory(config.registry)
-    settings = RegistryConfig(
-        registry=config.registry,
-        auth_file=config.registry_auth_file,
-        ca_file=config.registry_ca,
-        insecure=config.registry_insecure,
-        timeout=config.registry_timeout,
-    )
-    return RegistryClient(settings)
 
 
 class RegistryUse:

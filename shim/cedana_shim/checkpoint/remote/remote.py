@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
     from .lazy_pull import LazyPull
 
-__all__ = ["UPLOAD_WORKERS", "OnCompacted", "RemoteStore"]
+__all__ = ["UPLOAD_WORKERS", "OnCompacted", "RemoteStore", "node_registry"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,23 @@ _Tags: TypeAlias = list[CheckpointTag]
 
 def _newest_first(tags: Iterable[CheckpointTag]) -> _Tags:
     return sorted(tags, key=lambda t: (t.created, t.suffix, t.node_hash), reverse=True)
+
+
+def node_registry(config: NodeConfig, upload_state_dir: str | None = None) -> Registry | None:
+    """The registry the node config names (a shared directory when ``registry`` is a
+    path), with resumable uploads' state in ``upload_state_dir``; None without one."""
+    if not config.registry:
+        return None
+    if names_shared_dir(config.registry):
+        return SharedDirectory(config.registry)
+    settings = RegistryConfig(
+        registry=config.registry,
+        auth_file=config.registry_auth_file,
+        ca_file=config.registry_ca,
+        insecure=config.registry_insecure,
+        timeout=config.registry_timeout,
+    )
+    return RegistryClient(settings, upload_state_dir=upload_state_dir)
 
 
 class RemoteStore:
@@ -116,17 +133,8 @@ class RemoteStore:
             "trust": Trust.from_setting(config.trusted_keys),
             "encryption": Encryption.from_config(config.encryption_keys, config.decryption_keys),
         }
-        if names_shared_dir(config.registry):
-            return cls(store, SharedDirectory(config.registry), node, **keys)
-        settings = RegistryConfig(
-            registry=config.registry,
-            auth_file=config.registry_auth_file,
-            ca_file=config.registry_ca,
-            insecure=config.registry_insecure,
-            timeout=config.registry_timeout,
-        )
-        uploads = os.path.join(store.root, "outbox", "uploads")
-        client = RegistryClient(settings, upload_state_dir=uploads)
+        client = node_registry(config, os.path.join(store.root, "outbox", "uploads"))
+        assert client is not None  # config.registry is set
         return cls(store, client, node, **keys)
 
     # -- push -------------------------------------------------------------------------
