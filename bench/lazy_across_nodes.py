@@ -27,9 +27,7 @@ Indicative on a shared machine: the load average is reported with each sample.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -60,19 +58,17 @@ from checkpoint_restore import (  # noqa: E402
     build_memhog,
     cli_remove,
     run,
-    shim_breakdown,
     shim_log_excerpt,
-    shim_records,
 )
 from restore_scaling import (  # noqa: E402
     FILL_TIMEOUT,
     RESTORE_GAP,
-    Timeline,
     _run_args,
     beat_at,
     print_sample,
     room_for,
     settle,
+    timed_restore,
     wait,
 )
 
@@ -94,28 +90,9 @@ def checkpoint_on_a(a: CedanaSide, label: str, mib: int, tag: str) -> str:
 
 def restore_on(node: Bench, side: CedanaSide, label: str, mib: int, tag: str) -> dict[str, Any]:
     cid = f"lx-{tag}-r"
-    state = node.containerd.state / "io.containerd.runtime.v2.task" / NAMESPACE
     offset = node.containerd.log_offset()
     try:
-        side.cleanup.push(f"ctr remove {cid}", lambda: side.ctr.remove(cid))
-        rootfs = state / cid / "rootfs"
-        t0_wall = time.time()
-        timeline = Timeline(rootfs / "hb", rootfs / "verify")
-        proc = subprocess.Popen(
-            side.ctr.argv(*_run_args(cid, label, mib)),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        out = timeline.follow(proc, None, {})
-        out["shim"] = shim_breakdown(node, offset, cid, t0_wall)
-        memory = [
-            r.get("memory")
-            for r in shim_records(node, offset, cid)
-            if r.get("msg") == "restored from checkpoint"
-        ]
-        out["memory"] = memory[-1] if memory else None
-        return out
+        return timed_restore(node, side, cid, label, mib, offset)
     except Exception as err:
         excerpt = shim_log_excerpt(node, offset, [cid, label])
         raise BenchFailure(f"{err}\n--- containerd log, about {cid} ---\n{excerpt}") from None

@@ -280,7 +280,6 @@ def set_lazy(config: Path, lazy: bool) -> None:
 def cedana_cycle(b: Bench, ced: CedanaSide, tag: str, mib: int) -> dict[str, Any]:
     label = f"scale-{b.marker[:8]}-{tag}"
     cid, cid_restored = f"scale-{tag}", f"scale-{tag}-restored"
-    state = b.containerd.state / "io.containerd.runtime.v2.task" / NAMESPACE
     offset = b.containerd.log_offset()
     try:
         ced.cleanup.push(f"ctr remove {cid}", lambda: ced.ctr.remove(cid))
@@ -292,28 +291,10 @@ def cedana_cycle(b: Bench, ced: CedanaSide, tag: str, mib: int) -> dict[str, Any
         stop = ced.stop_with_checkpoint(cid, label)
         ced.ctr.remove(cid)
         settle(RESTORE_GAP)
-        ced.cleanup.push(f"ctr remove {cid_restored}", lambda: ced.ctr.remove(cid_restored))
-        rootfs = state / cid_restored / "rootfs"
-        t0_wall = time.time()
-        timeline = Timeline(rootfs / "hb", rootfs / "verify")
-        proc = subprocess.Popen(
-            ced.ctr.argv(*_run_args(cid_restored, label, mib)),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        out = timeline.follow(proc, None, {})
-        breakdown = shim_breakdown(b, offset, cid_restored, t0_wall)
-        created = breakdown.get("shim_created_after_s")
-        out["shim"] = breakdown
+        out = timed_restore(b, ced, cid_restored, label, mib, offset)
+        created = out["shim"].get("shim_created_after_s")
         if created is not None:
             out["first_beat_after_create_s"] = round(out["first_beat_s"] - created, 4)
-        memory = [
-            r.get("memory")
-            for r in shim_records(b, offset, cid_restored)
-            if r.get("msg") == "restored from checkpoint"
-        ]
-        out["memory"] = memory[-1] if memory else None
         out["dump_s"] = round(stop["seconds"], 4)
         out["checkpoint"] = stop["store"]["id"]
         return out
@@ -326,6 +307,34 @@ def cedana_cycle(b: Bench, ced: CedanaSide, tag: str, mib: int) -> dict[str, Any
         listing = [str(Path(sys.prefix) / "bin" / "cedana"), "--store", str(b.store)]
         for entry in json.loads(run([*listing, "checkpoints", "list", "-l", label, "--json"])):
             cli_remove(b.store, entry["id"])
+
+
+def timed_restore(
+    b: Bench, ced: CedanaSide, cid: str, label: str, mib: int, offset: int
+) -> dict[str, Any]:
+    """`ctr run -d` of container ``cid`` of ``label`` (a restore), followed from the
+    command's start (Timeline: first beat, returned, verified), with the shim's steps
+    and the memory path it took from ``b``'s log since ``offset``."""
+    state = b.containerd.state / "io.containerd.runtime.v2.task" / NAMESPACE
+    ced.cleanup.push(f"ctr remove {cid}", lambda: ced.ctr.remove(cid))
+    rootfs = state / cid / "rootfs"
+    t0_wall = time.time()
+    timeline = Timeline(rootfs / "hb", rootfs / "verify")
+    proc = subprocess.Popen(
+        ced.ctr.argv(*_run_args(cid, label, mib)),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    out = timeline.follow(proc, None, {})
+    out["shim"] = shim_breakdown(b, offset, cid, t0_wall)
+    memory = [
+        r.get("memory")
+        for r in shim_records(b, offset, cid)
+        if r.get("msg") == "restored from checkpoint"
+    ]
+    out["memory"] = memory[-1] if memory else None
+    return out
 
 
 def _run_args(cid: str, label: str, mib: int) -> list[str]:
